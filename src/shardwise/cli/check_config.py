@@ -1,0 +1,33 @@
+"""`shardwise check-config`: validate a config for a cluster shape without starting anything."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import load_config
+from ..topology import Cluster, layout_for
+from ..topology.describe import describe_layout
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="processes (devices) per node")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="M", help="number of nodes")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check-config", help="validate a config for a cluster shape and print its layout",
+                       description="Validate a config for a cluster shape without starting anything; print the "
+                                   "layout (degrees and the ranks of each group) or every error. Exit 2 on error.")
+    p.add_argument("config", nargs="?", help="JSON or YAML config file (omit for the defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key (repeatable)")
+    add_cluster_flags(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    cluster = Cluster(nodes=args.nnodes, devices_per_node=args.nproc_per_node)
+    layout = layout_for(config, cluster)
+    print(describe_layout(config, layout, cluster))
+    return 0

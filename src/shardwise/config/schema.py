@@ -1,0 +1,77 @@
+"""The one config tree, with SageMaker model-parallel (SMP) key names.
+
+Field rules that need no cluster live here; rules that need the cluster shape
+live in `validate.py`. Keys whose feature is not built yet are accepted and
+validated here and refused by `unavailable_features` when a run starts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ShardwiseConfig(BaseModel):
+    """Validated settings. Defaults give pure data parallelism in fp32."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    ddp: bool = Field(True, description="Synchronise gradients over data-parallel ranks (SMP: ddp).")
+    sharded_data_parallel_degree: int = Field(
+        1,
+        ge=1,
+        description="Partition-group size for sharded data parallelism. Equal to the data-parallel "
+        "degree: classic ZeRO; smaller: MiCS / ZeRO-2D (sharded inside groups, replicated across). "
+        "1 = off unless zero_stage asks for sharding.",
+    )
+    zero_stage: Optional[Literal[0, 1, 2, 3]] = Field(
+        None,
+        description="ZeRO stage: 0 plain DDP, 1 optimizer state, 2 + gradients, 3 + parameters. "
+        "Unset: 1 if shard_optimizer_state, 3 if sharded_data_parallel_degree > 1, else 0.",
+    )
+    shard_optimizer_state: bool = Field(False, description="ZeRO-1: shard optimizer states over data-parallel ranks.")
+    tensor_parallel_degree: int = Field(1, ge=1, description="Ranks inside a node that split each layer.")
+    pipeline_parallel_degree: int = Field(1, ge=1, description="Pipeline stages (across nodes).")
+    microbatches: int = Field(1, ge=1, description="Microbatches each @step batch is split into.")
+    active_microbatches: Optional[int] = Field(None, ge=1, description="Most microbatches in flight in the pipeline.")
+    prescaled_batch: bool = Field(False, description="Ranks of a tensor-parallel group share one tp_size-times larger batch.")
+    offload_activations: bool = Field(False, description="Move checkpointed activations to host memory.")
+    activation_loading_horizon: int = Field(4, ge=1, description="Offloaded activations prefetched ahead in backward.")
+    delayed_parameter_initialization: bool = Field(False, description="Build the model on the meta device and materialise shards only.")
+    bf16: bool = Field(False, description="bfloat16 compute, fp32 master weights and gradient reduction.")
+    fp16: bool = Field(False, description="float16 compute with dynamic loss scaling, fp32 master weights.")
+    gradient_clipping: Optional[float] = Field(None, gt=0, description="Global gradient-norm clip applied by optimizer.step().")
+    auto_wrap_min_params: int = Field(
+        10_000_000,
+        ge=1,
+        description="Sharding unit size for models without known transformer blocks (parameters per unit).",
+    )
+
+    @property
+    def effective_zero_stage(self) -> int:
+        if self.zero_stage is not None:
+            return self.zero_stage
+        if self.shard_optimizer_state:
+            return 1
+        return 3 if self.sharded_data_parallel_degree > 1 else 0
+
+    @property
+    def dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+def field_names() -> list[str]:
+    return list(ShardwiseConfig.model_fields)
+
+
+def unavailable_features(config: ShardwiseConfig) -> list[tuple[str, object]]:
+    """(key, value) of settings whose feature this release cannot run yet."""
+    pending = {
+        "tensor_parallel_degree": config.tensor_parallel_degree > 1,
+        "pipeline_parallel_degree": config.pipeline_parallel_degree > 1,
+        "prescaled_batch": config.prescaled_batch,
+        "offload_activations": config.offload_activations,
+        "delayed_parameter_initialization": config.delayed_parameter_initialization,
+    }
+    return [(key, getattr(config, key)) for key, used in pending.items() if used]

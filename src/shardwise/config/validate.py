@@ -1,0 +1,91 @@
+"""Turn a plain dict into a `ShardwiseConfig`, collecting every problem first.
+
+The same function serves `init`, `check-config`, `plan` and `run`, so they can
+never disagree about what is valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from pydantic import ValidationError
+
+from .errors import ConfigError, Problem, did_you_mean
+from .schema import ShardwiseConfig, field_names
+from .sources import ConfigSource, load_dict
+
+_FIXES = {
+    "greater_than_equal": "use {limit} or more",
+    "greater_than": "use a value above {limit}",
+    "bool_type": "use true or false",
+    "int_type": "use a whole number",
+    "float_type": "use a number",
+    "literal_error": "use one of {expected}",
+}
+
+
+def _pydantic_problems(err: ValidationError, data: Mapping[str, Any]) -> list[Problem]:
+    problems = []
+    for item in err.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        ctx = item.get("ctx", {})
+        limit = ctx.get("ge", ctx.get("gt", ""))
+        fix = _FIXES.get(item["type"], "see the config reference in the README")
+        fix = fix.format(limit=limit, expected=ctx.get("expected", ""))
+        problems.append(Problem(key, data.get(item["loc"][0], item.get("input")), item["msg"].lower(), fix))
+    return problems
+
+
+def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
+    tp = c.tensor_parallel_degree
+    if tp & (tp - 1):
+        lower = 1 << (tp.bit_length() - 1)
+        yield Problem("tensor_parallel_degree", tp, "must be a power of two",
+                      f"use {lower} or {lower * 2}")
+    if c.bf16 and c.fp16:
+        yield Problem("fp16", True, "bf16 and fp16 cannot both be on", "set only one of them")
+    if c.active_microbatches is not None and c.active_microbatches > c.microbatches:
+        yield Problem("active_microbatches", c.active_microbatches,
+                      f"cannot exceed microbatches ({c.microbatches})",
+                      f"use at most {c.microbatches}, or raise microbatches")
+    stage = c.zero_stage
+    if stage is not None:
+        if c.shard_optimizer_state and stage != 1:
+            yield Problem("zero_stage", stage, "conflicts with shard_optimizer_state (which is ZeRO-1)",
+                          "set zero_stage to 1, or drop shard_optimizer_state")
+        if stage < 2 and c.sharded_data_parallel_degree > 1:
+            yield Problem("zero_stage", stage,
+                          "sharded_data_parallel_degree > 1 shards parameters or gradients (stage 2 or 3)",
+                          "set zero_stage to 2 or 3, or sharded_data_parallel_degree to 1")
+    elif c.shard_optimizer_state and c.sharded_data_parallel_degree > 1:
+        yield Problem("shard_optimizer_state", True,
+                      "conflicts with sharded_data_parallel_degree > 1 (which already shards optimizer states)",
+                      "drop shard_optimizer_state, or set sharded_data_parallel_degree to 1")
+
+
+def parse_config(data: Mapping[str, Any]) -> ShardwiseConfig:
+    """Validate a dict of SMP keys; raise one ConfigError with every problem."""
+    known = field_names()
+    problems = []
+    for key in data:
+        if key not in known:
+            hint = did_you_mean(str(key), known)
+            problems.append(Problem(str(key), data[key], "unknown key",
+                                    hint or "remove it; valid keys are listed in the README's config reference"))
+    clean = {k: v for k, v in data.items() if k in known}
+    try:
+        config = ShardwiseConfig(**clean)
+    except ValidationError as err:
+        problems.extend(_pydantic_problems(err, clean))
+        broken = {item["loc"][0] for item in err.errors()}
+        # Check the remaining rules on the well-typed keys, so one pass reports everything.
+        config = ShardwiseConfig(**{k: v for k, v in clean.items() if k not in broken})
+    problems.extend(_rule_problems(config))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def load_config(source: ConfigSource = None, overrides: Iterable[str] = ()) -> ShardwiseConfig:
+    """Read, merge and validate: the one entry point for every config source."""
+    return parse_config(load_dict(source, overrides))

@@ -1,0 +1,44 @@
+"""Human-readable account of a layout: degrees, strategy, and which ranks form each group."""
+
+from __future__ import annotations
+
+from ..config.schema import ShardwiseConfig
+from .cluster import Cluster
+from .layout import Layout
+
+_GROUPS = [
+    ("tp", ("tp",), "tensor parallel"),
+    ("dp_shard", ("dp_shard",), "ZeRO partition"),
+    ("dp_replicate", ("dp_replicate",), "replica (gradient all-reduce)"),
+    ("dp", ("dp_replicate", "dp_shard"), "data parallel"),
+    ("pp", ("pp",), "pipeline"),
+]
+
+
+def strategy_name(config: ShardwiseConfig, layout: Layout) -> str:
+    stage = config.effective_zero_stage
+    if stage == 0:
+        return "DDP" if layout.dp > 1 else "single replica"
+    if stage == 1:
+        return "ZeRO-1 (optimizer state sharding)"
+    if layout.dp_replicate > 1:
+        return f"MiCS / ZeRO-2D (ZeRO-{stage} in partition groups of {layout.dp_shard}, {layout.dp_replicate} replicas)"
+    return f"ZeRO-{stage}"
+
+
+def describe_layout(config: ShardwiseConfig, layout: Layout, cluster: Cluster) -> str:
+    lines = [
+        f"cluster: {cluster.nodes} node(s) × {cluster.devices_per_node} device(s) = {cluster.world_size} ranks",
+        "layout: " + " × ".join(f"{k}={v}" for k, v in layout.degrees().items()),
+        f"data parallel: {strategy_name(config, layout)}; precision: {config.dtype_name}; "
+        f"microbatches: {config.microbatches}",
+    ]
+    for name, axes, meaning in _GROUPS:
+        if all(getattr(layout, a) == 1 for a in axes):
+            continue
+        groups = layout.groups(*axes)
+        where = "crosses nodes" if layout.crosses_nodes(cluster, *axes) else "inside nodes"
+        shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
+        more = f" … (+{len(groups) - 8})" if len(groups) > 8 else ""
+        lines.append(f"{name} groups ({meaning}, {where}): {shown}{more}")
+    return "\n".join(lines)

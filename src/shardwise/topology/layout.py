@@ -1,0 +1,110 @@
+"""The named layout pp × dp_replicate × dp_shard × tp, placed innermost-first.
+
+Rank r sits at tp index r % tp, then dp_shard, then dp_replicate, then pp, so
+tensor-parallel groups are consecutive ranks (inside a node), ZeRO partition
+groups come next, and only gradient all-reduce (dp_replicate) and pipeline
+sends (pp) cross nodes in a well-chosen layout. Pure: no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+from ..config.errors import ConfigError, Problem
+from ..config.schema import ShardwiseConfig
+from .cluster import Cluster
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def degrees(self) -> dict[str, int]:
+        return dict(zip(AXES, self.shape))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Index of `rank` along every axis."""
+        coords = {}
+        for axis, size in reversed(list(zip(AXES, self.shape))):
+            coords[axis] = rank % size
+            rank //= size
+        return {axis: coords[axis] for axis in AXES}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for axis, size in zip(AXES, self.shape):
+            rank = rank * size + coords[axis]
+        return rank
+
+    def groups(self, *axes: str) -> list[list[int]]:
+        """The rank groups that vary along `axes` (together) with the other axes fixed."""
+        unknown = [a for a in axes if a not in AXES]
+        if unknown:
+            raise ValueError(f"unknown axis {unknown[0]!r}; axes are {', '.join(AXES)}")
+        fixed = [a for a in AXES if a not in axes]
+        result = []
+        for fixed_idx in product(*(range(getattr(self, a)) for a in fixed)):
+            base = dict(zip(fixed, fixed_idx))
+            ranks = [self.rank_of({**base, **dict(zip(axes, idx))})
+                     for idx in product(*(range(getattr(self, a)) for a in axes))]
+            result.append(sorted(ranks))
+        return sorted(result)
+
+    def crosses_nodes(self, cluster: Cluster, *axes: str) -> bool:
+        return any(len({cluster.node_of(r) for r in g}) > 1 for g in self.groups(*axes))
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def layout_for(config: ShardwiseConfig, cluster: Cluster) -> Layout:
+    """The layout `config` gives on `cluster`, or a ConfigError listing every rule it breaks."""
+    problems: list[Problem] = []
+    tp, pp, world = config.tensor_parallel_degree, config.pipeline_parallel_degree, cluster.world_size
+    if tp > cluster.devices_per_node:
+        problems.append(Problem("tensor_parallel_degree", tp,
+                                f"must not exceed the {cluster.devices_per_node} devices per node (TP stays inside a node)",
+                                f"use a power of two ≤ {cluster.devices_per_node}"))
+    elif _power_of_two(tp) and cluster.devices_per_node % tp:
+        problems.append(Problem("tensor_parallel_degree", tp,
+                                f"must divide the {cluster.devices_per_node} devices per node, or TP groups span nodes",
+                                "use a power of two that divides the devices per node"))
+    if world % (tp * pp):
+        problems.append(Problem("pipeline_parallel_degree × tensor_parallel_degree", tp * pp,
+                                f"must divide the world size {world}",
+                                "choose degrees whose product divides the number of processes"))
+        raise ConfigError(problems)
+    dp = world // (tp * pp)
+    stage = config.effective_zero_stage
+    shard = config.sharded_data_parallel_degree if config.sharded_data_parallel_degree > 1 else dp
+    if stage < 2:
+        shard = 1
+    if config.sharded_data_parallel_degree > 1 and dp % config.sharded_data_parallel_degree:
+        problems.append(Problem("sharded_data_parallel_degree", config.sharded_data_parallel_degree,
+                                f"must divide the data-parallel degree {dp} (= world {world} / (tp {tp} × pp {pp}))",
+                                f"use a divisor of {dp}: {', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}"))
+    if not config.ddp and dp > 1:
+        problems.append(Problem("ddp", False, f"gradients must be synchronised across the {dp} data-parallel ranks",
+                                "set ddp to true, or make tp × pp equal the world size"))
+    if problems:
+        raise ConfigError(problems)
+    return Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp)
