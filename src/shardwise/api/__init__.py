@@ -1,0 +1,1 @@
+"""The user-facing API of the seed script: DistributedModel, DistributedOptimizer, step, data_loader."""

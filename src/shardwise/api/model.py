@@ -1,0 +1,79 @@
+"""`DistributedModel`: the user's module with the configured parallelism applied, same names outside."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from ..parallel import precision
+from ..parallel.clipping import clip_grad_norm_
+from ..parallel.compose import parallelize
+from ..parallel.sharding import Replicated
+from ..runtime.state import current
+
+
+class DistributedModel(nn.Module):
+    """Wraps `module` per the config given to `init`; `get_module()` returns the module as the user built it."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedModel expects a torch.nn.Module, got {type(module).__name__}")
+        runtime = current("shardwise.DistributedModel")
+        self._runtime = runtime
+        module.to(runtime.device)
+        self._parallel = parallelize(module, runtime.mesh, runtime.config)
+        self.module = self._parallel.module
+        self._autocast = isinstance(self._parallel, Replicated)
+        self.loss_scaler = precision.loss_scaler(runtime.config, runtime.device)
+        runtime.model = self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._autocast:
+            with precision.autocast(self._runtime.config, self._runtime.device):
+                return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+    def get_module(self) -> nn.Module:
+        return self._parallel.inner
+
+    def microbatch_context(self, last: bool):
+        return self._parallel.microbatch_context(last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss`, averaged over the microbatches of the current @step (and loss-scaled in fp16)."""
+        if loss.dim() != 0:
+            raise ValueError(f"model.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it first "
+                             "(e.g. loss.mean())")
+        microbatch = self._runtime.microbatch
+        if microbatch is not None:
+            loss = loss / microbatch[1]
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale(loss)
+        loss.backward()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every shard of every gradient; returns the norm before clipping."""
+        return clip_grad_norm_(self.parameters(), max_norm)
+
+    # Names as the user's module has them (no "module." prefix from the wrapper).
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.get_module().named_parameters(prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.get_module().parameters(recurse)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's state dict (sharded tensors are DTensors); see `full_state_dict` for whole tensors."""
+        return self.get_module().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        return self.get_module().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer as a whole tensor on every rank, named as in the user's module."""
+        return get_model_state_dict(self.get_module(), options=StateDictOptions(full_state_dict=True))

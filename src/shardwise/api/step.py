@@ -1,0 +1,87 @@
+"""`@step`: run the user's function once per microbatch with gradient accumulation.
+
+Every tensor argument (also inside lists, tuples and dicts, e.g. a Hugging Face
+batch) is split into `microbatches` equal parts along dim 0; other arguments
+pass through unchanged. Gradients sync once, after the last microbatch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..runtime.state import current
+
+
+class StepOutput:
+    """The per-microbatch return values of a @step function, with SMP's reductions."""
+
+    def __init__(self, outputs: list[Any]):
+        self.outputs = outputs
+
+    def _combine(self, fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
+        flat = [pytree.tree_flatten(o) for o in self.outputs]
+        spec = flat[0][1]
+        leaves = [fn([f[0][i].detach() for f in flat]) for i in range(len(flat[0][0]))]
+        return pytree.tree_unflatten(leaves, spec)
+
+    def reduce_mean(self) -> Any:
+        """Mean over the microbatches of this rank (as SMP's reduce_mean)."""
+        return self._combine(lambda xs: torch.stack(xs).mean(0))
+
+    def reduce_sum(self) -> Any:
+        return self._combine(lambda xs: torch.stack(xs).sum(0))
+
+    def concat(self) -> Any:
+        """Per-sample outputs of all microbatches joined back along dim 0."""
+        return self._combine(lambda xs: torch.cat(xs, 0))
+
+    def stack(self) -> Any:
+        return self._combine(torch.stack)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.outputs[index]
+
+
+def _split(tree: Any, parts: int) -> list[Any]:
+    leaves, spec = pytree.tree_flatten(tree)
+    columns = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] % parts:
+                raise ValueError(
+                    f"@step cannot split a batch of {leaf.shape[0]} rows into {parts} equal microbatches; "
+                    f"make the per-rank batch size a multiple of microbatches={parts}")
+            columns.append(leaf.chunk(parts, 0))
+        else:
+            columns.append([leaf] * parts)
+    return [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(parts)]
+
+
+def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:
+    """Decorate a train/eval step: `fn(model, *batch)` runs per microbatch; returns a `StepOutput`."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> StepOutput:
+        runtime = current("@shardwise.step")
+        if runtime.model is None:
+            raise RuntimeError("@step needs a sw.DistributedModel; create it before calling the step function")
+        parts = runtime.config.microbatches
+        pieces = _split((args, kwargs), parts)
+        outputs = []
+        try:
+            for index, (mb_args, mb_kwargs) in enumerate(pieces):
+                runtime.microbatch = (index, parts)
+                with runtime.model.microbatch_context(last=index == parts - 1):
+                    outputs.append(fn(*mb_args, **mb_kwargs))
+        finally:
+            runtime.microbatch = None
+        return StepOutput(outputs)
+
+    return run

@@ -1,0 +1,50 @@
+"""Global gradient-norm clipping over every shard of every parameter.
+
+Gradients may be plain tensors (DDP, ZeRO-1: identical on every rank) or
+DTensors (FSDP and TP shards). Local squared norms are summed per
+(mesh, placements) group, then all-reduced over just the mesh axes the group
+is sharded on — one small collective per axis, not one per parameter.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _local_square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in local]).sum()
+
+
+def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            g = p.grad
+            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    total = torch.zeros((), dtype=torch.float32)
+    for key, grads in groups.items():
+        squares = _local_square_sum(grads)
+        if key is not None:
+            mesh, placements = key
+            for axis, placement in enumerate(placements):
+                if isinstance(placement, Shard):
+                    dist.all_reduce(squares, group=mesh.get_group(axis))
+        total = total.to(squares.device) + squares
+    return total.sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before clipping."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(params)
+    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return norm

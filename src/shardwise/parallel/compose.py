@@ -1,0 +1,31 @@
+"""The one place that fixes the order techniques are applied in.
+
+Order: every rank starts from rank 0's weights → (tensor parallel, when
+available) → data parallel / sharding. Activation checkpointing is applied
+afterwards by the user's `set_activation_checkpointing` calls, which works on a
+sharded model (see checkpointing.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from ..runtime.mesh import ParallelMesh
+
+from ..config.schema import ShardwiseConfig
+from .sharding import DataParallel, apply_data_parallel
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module) -> None:
+    """Make every rank hold rank 0's parameters and buffers, whatever seed each rank used."""
+    if dist.get_world_size() == 1:
+        return
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(tensor.data, src=0)
+
+
+def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig) -> DataParallel:
+    broadcast_from_rank0(module)
+    return apply_data_parallel(module, mesh, config)

@@ -1,0 +1,82 @@
+"""Data parallelism over the dp axes: DDP, ZeRO-2, ZeRO-3 and MiCS (ZeRO-1 lives with the optimizer).
+
+ZeRO-2/3 use FSDP2 (`fully_shard`) on the `dp_shard` axis; with `dp_replicate`
+> 1 the 2-D mesh makes it hybrid sharding, which is MiCS: parameters are
+gathered and gradients reduce-scattered inside a partition group, and only the
+gradient all-reduce crosses groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..runtime.mesh import ParallelMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config.schema import ShardwiseConfig
+from . import precision
+from .wrap import sharding_units
+
+
+class DataParallel:
+    """What the runtime needs from a data-parallel wrapping: the module to call and per-microbatch sync."""
+
+    def __init__(self, module: nn.Module, inner: nn.Module):
+        self.module = module  # called in forward
+        self.inner = inner  # the user's module, parameters named as they wrote them
+
+    def microbatch_context(self, last: bool) -> ContextManager:
+        return contextlib.nullcontext()
+
+
+class Replicated(DataParallel):
+    """DDP (ZeRO-0 and ZeRO-1): full replicas, gradients all-reduced once per step."""
+
+    def microbatch_context(self, last: bool) -> ContextManager:
+        if last or not isinstance(self.module, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.module.no_sync()
+
+
+class Sharded(DataParallel):
+    """FSDP2 (ZeRO-2/3, MiCS): gradients reduce-scattered every microbatch so they stay sharded,
+    the cross-group all-reduce only after the last one."""
+
+    def __init__(self, module: FSDPModule, hybrid: bool):
+        super().__init__(module, module)
+        self.sharded = module
+        self.hybrid = hybrid
+
+    def microbatch_context(self, last: bool) -> ContextManager:
+        if self.hybrid:
+            self.sharded.set_requires_all_reduce(last)
+        self.sharded.set_is_last_backward(last)
+        return contextlib.nullcontext()
+
+
+def _dp_mesh(mesh: ParallelMesh, hybrid: bool) -> DeviceMesh:
+    return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard"]
+
+
+def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig) -> DataParallel:
+    """Wrap `model` for the configured ZeRO stage over the data-parallel axes of `mesh`."""
+    stage = config.effective_zero_stage
+    if stage >= 2:
+        hybrid = mesh["dp_replicate"].size() > 1
+        dp_mesh = _dp_mesh(mesh, hybrid)
+        reshard = stage == 3
+        for unit in sharding_units(model, config.auto_wrap_min_params):
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard,
+                        mp_policy=precision.sharded_policy(config, root=False))
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard,
+                    mp_policy=precision.sharded_policy(config, root=True))
+        return Sharded(model, hybrid)  # fully_shard turned `model` into an FSDPModule in place
+    rdp_mesh = mesh["rdp"]
+    if rdp_mesh.size() == 1:
+        return Replicated(model, model)
+    return Replicated(DistributedDataParallel(model, device_mesh=rdp_mesh), model)

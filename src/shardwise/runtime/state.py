@@ -1,0 +1,55 @@
+"""The one live runtime of this process: what `init` resolved, shared by the API objects.
+
+The seed API (`sw.DistributedModel(module)`) takes no mesh, so the API layer
+reads it here; everything under `parallel/` still receives the mesh explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..config.schema import ShardwiseConfig
+from ..topology import Cluster, Layout
+from .mesh import ParallelMesh
+
+
+@dataclass
+class Runtime:
+    config: ShardwiseConfig
+    cluster: Cluster
+    layout: Layout
+    mesh: ParallelMesh
+    device: torch.device
+    rank: int
+    local_rank: int
+    owns_process_group: bool
+    # The DistributedModel of this run, which DistributedOptimizer and @step work with.
+    model: Optional[Any] = field(default=None)
+    # Set while @step runs a batch: (microbatch index, number of microbatches).
+    microbatch: Optional[tuple[int, int]] = field(default=None)
+
+
+_current: Optional[Runtime] = None
+
+
+class NotInitializedError(RuntimeError):
+    def __init__(self, what: str):
+        super().__init__(f"{what} needs shardwise.init() first; call sw.init(config) at the top of the script")
+
+
+def current(what: str = "this call") -> Runtime:
+    if _current is None:
+        raise NotInitializedError(what)
+    return _current
+
+
+def set_current(runtime: Optional[Runtime]) -> None:
+    global _current
+    _current = runtime
+
+
+def is_initialized() -> bool:
+    return _current is not None
