@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from ..config.errors import ConfigError
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["check_config"]
+COMMANDS = ["check_config", "run", "demo", "plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,98 @@
+"""`shardwise plan`: rank the configurations that fit a model on a cluster, before any GPU-hour is spent."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..planner import (CLUSTER_PRESETS, MODEL_PRESETS, Plan, PlanError, cluster_preset, custom_cluster, plan,
+                       print_plan, resolve_model, to_json, write_config)
+from ..planner.hardware import GB, GiB
+from ..planner.report import config_format
+
+# Cluster flags: (flag, ClusterSpec/override field, unit multiplier, type, help, required without --cluster).
+_CLUSTER_FLAGS = [
+    ("--nodes", "nodes", 1, int, "number of nodes (overrides the N of N x PRESET)", False),
+    ("--devices-per-node", "devices_per_node", 1, int, "devices per node", True),
+    ("--device-memory-gib", "device_memory_bytes", GiB, float, "memory per device, GiB", True),
+    ("--peak-tflops", "peak_flops", 1e12, float, "peak TFLOP/s per device in the plan's precision", True),
+    ("--intra-node-gbs", "intra_node_bandwidth", GB, float, "per-device bandwidth inside a node, GB/s", True),
+    ("--inter-node-gbs", "inter_node_bandwidth", GB, float, "per-node network bandwidth, GB/s", True),
+    ("--intra-node-latency-us", "intra_node_latency", 1e-6, float, "latency per step inside a node, µs", False),
+    ("--inter-node-latency-us", "inter_node_latency", 1e-6, float, "latency per step between nodes, µs", False),
+]
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    return parse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="rank the configurations that fit a model on a cluster",
+                       description="Predict per-rank memory and step time of every layout (pp × dp_replicate × "
+                                   "dp_shard × tp, ZeRO stage, MiCS group, checkpointing, microbatching) of a "
+                                   "model on a cluster and rank the ones that fit. Exit 2 on bad input.")
+    p.add_argument("--model", required=True, metavar="MODEL",
+                   help=f"preset ({', '.join(sorted(MODEL_PRESETS))}), FAMILY[:key=value,...] "
+                        "(gpt2, llama, bert, vit), a config.json path, or module:function")
+    p.add_argument("--cluster", metavar="[N x]PRESET",
+                   help=f"e.g. 16xp4d.24xlarge; presets: {', '.join(CLUSTER_PRESETS)}")
+    p.add_argument("--global-batch", type=_positive(int), metavar="B",
+                   help="sequences per step (default: one per device)")
+    p.add_argument("--seq", type=_positive(int), metavar="S", help="tokens per sequence (default: the model's)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                   help="default: the device's fastest (bf16 on A100/H100, fp16 on T4, fp32 on CPU)")
+    p.add_argument("--top", type=_positive(int), default=10, metavar="K", help="rows of the table (default 10)")
+    p.add_argument("--json", action="store_true", help="print every layout considered as JSON instead of the table")
+    p.add_argument("--explain", action="store_true", help="also show step-time parts, collectives and every rejection")
+    p.add_argument("--out", metavar="FILE", help="write the best config to FILE (.json, .yaml or .yml)")
+    flags = p.add_argument_group("cluster values (override the preset, or describe a cluster without one)")
+    for flag, dest, _, kind, text, _ in _CLUSTER_FLAGS:
+        flags.add_argument(flag, dest=dest, type=_positive(kind), help=text)
+    p.set_defaults(handler=run)
+
+
+def _cluster(args: argparse.Namespace):
+    values = {dest: getattr(args, dest) * unit if getattr(args, dest) is not None else None
+              for _, dest, unit, *_ in _CLUSTER_FLAGS}
+    if args.cluster:
+        return cluster_preset(args.cluster, **values)
+    missing = [flag for flag, dest, *_, required in _CLUSTER_FLAGS if required and values[dest] is None]
+    if missing:
+        raise PlanError("no --cluster preset given; pass --cluster [N x]PRESET (" + ", ".join(CLUSTER_PRESETS)
+                        + ") or describe the cluster with " + ", ".join(missing))
+    return custom_cluster(**{**values, "nodes": values["nodes"] or 1})
+
+
+def _write_best(result: Plan, path: str) -> None:
+    """Write the top layout's config; what is not a config key (checkpointing, batch) goes to stderr."""
+    best = result.best
+    if best is None:
+        raise PlanError(f"no layout fits, so nothing was written to {path}")
+    write_config(best, path)
+    print(f"wrote the best config to {path}; activation checkpointing: {best.checkpointing}; "
+          f"data_loader batch_size: {best.batch_size}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.out:
+            config_format(args.out)
+        result = plan(resolve_model(args.model), _cluster(args), global_batch=args.global_batch, seq=args.seq,
+                      precision=args.precision)
+        if args.json:
+            print(json.dumps(to_json(result), indent=1))
+        else:
+            print_plan(result, args.top, args.explain)
+        if args.out:
+            _write_best(result, args.out)
+    except PlanError as err:
+        print(f"shardwise plan: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,164 @@
+"""`launch`: validate, lay out the run directory, hand the ranks to torch's elastic agent,
+and turn its outcome into an exit code and a short report."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Iterator, Optional, TextIO
+
+from ..config import ConfigError, Problem, ShardwiseConfig, unavailable_features
+from ..topology import layout_for
+from ..topology.describe import describe_layout
+from .failure import format_failure, rank_failures
+from .rundir import CONFIG_ENV, RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
+from .spec import LaunchSpec, entrypoint, launch_config, rendezvous
+
+# torch's agent logs restarts, SIGTERMs and its own ChildFailedError report; they go to
+# logs/agent-node<K>.log so the console shows the ranks' output and our summary only.
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+_HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+
+def worker_env(spec: LaunchSpec, run_dir: RunDir) -> dict[str, str]:
+    """What every rank gets besides torchrun's RANK/WORLD_SIZE/MASTER_*: where its config and
+    run directory are, and a thread count that does not oversubscribe the node's cores."""
+    env = {CONFIG_ENV: str(run_dir.config.resolve()), RUN_DIR_ENV: str(run_dir.root.resolve())}
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // spec.nproc_per_node))
+    return env
+
+
+@contextlib.contextmanager
+def _patched_environ(extra: dict[str, str]) -> Iterator[None]:
+    """The agent hands os.environ to the ranks; set ours for the launch, then put it back."""
+    saved = dict(os.environ)
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _agent_logs_to(path) -> Iterator[None]:
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    saved = []
+    for name in _AGENT_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate))
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+        handler.close()
+
+
+@contextlib.contextmanager
+def _restored_signal_handlers() -> Iterator[None]:
+    """The agent installs handlers that turn Ctrl-C into a clean stop of every rank; they must
+    not outlive the launch when `launch` is called from a longer-lived program."""
+    signums = [getattr(signal, name) for name in _HANDLED_SIGNALS if hasattr(signal, name)]
+    try:
+        saved = {s: signal.getsignal(s) for s in signums}
+    except ValueError:
+        saved = {}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signum, handler)
+
+
+def _launch_record(spec: LaunchSpec, layout) -> dict:
+    cmd, args = entrypoint(spec)
+    rdzv = rendezvous(spec)
+    return {
+        "argv": sys.argv, "command": [cmd, *args], "hostname": socket.gethostname(),
+        "nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "node_rank": spec.node_rank,
+        "world_size": spec.world_size, "ranks": [spec.global_rank(lr) for lr in range(spec.nproc_per_node)],
+        "layout": layout.degrees(), "rendezvous": {"backend": rdzv["rdzv_backend"], "endpoint": rdzv["rdzv_endpoint"]},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def check_runnable(config: ShardwiseConfig, spec: LaunchSpec):
+    """The checks `shardwise.init()` makes on every rank, made once before starting any:
+    the layout must fit the cluster shape and every feature the config asks for must exist."""
+    layout = layout_for(config, spec.cluster)
+    pending = unavailable_features(config)
+    if pending:
+        raise ConfigError([Problem(key, value, "this feature is not available yet in this shardwise release",
+                                   "remove the key (or set it to its default) for now") for key, value in pending])
+    return layout
+
+
+def launch(spec: LaunchSpec, config: ShardwiseConfig, *, out: Optional[TextIO] = None,
+           err: Optional[TextIO] = None) -> int:
+    """Run `spec.script` on this node's ranks; return the exit code the CLI should exit with.
+
+    Raises ConfigError (before anything starts) when `config` does not fit the cluster shape.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    layout = check_runnable(config, spec)
+    run_dir = RunDir(spec.run_dir or default_run_dir(spec.script)).create()
+    run_dir.write_config(config)
+    record = _launch_record(spec, layout)
+    run_dir.write_launch(spec.node_rank, record)
+    if spec.node_rank == 0:
+        print(describe_layout(config, layout, spec.cluster), file=out)
+        print(f"run dir: {run_dir.root}  (each rank's output: logs/rank<R>/stdout.log, stderr.log)", file=out)
+        out.flush()
+    else:
+        ranks = record["ranks"]
+        print(f"node {spec.node_rank}/{spec.nnodes}: ranks {ranks[0]}-{ranks[-1]}; "
+              f"their output: {run_dir.logs}/rank<R>/", file=out, flush=True)
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+
+    logs = RankLogsSpecs(run_dir, spec.console_local_ranks())
+    cmd, args = entrypoint(spec)
+    start = time.monotonic()
+    code = 0
+    try:
+        with _patched_environ(worker_env(spec, run_dir)), _agent_logs_to(run_dir.agent_log(spec.node_rank)), \
+                _restored_signal_handlers():
+            elastic_launch(launch_config(spec, logs), cmd)(*args)
+    except ChildFailedError as failure:
+        failed = rank_failures(failure.failures, run_dir, attempt=spec.max_restarts)
+        print(format_failure(failed, spec), file=err)
+        code = failed[0].shell_exit_code or 1
+    except SignalException as stop:
+        print(f"shardwise run: got {stop.sigval.name}; stopped all ranks on node {spec.node_rank}", file=err)
+        code = 128 + int(stop.sigval)
+    except KeyboardInterrupt:
+        print(f"shardwise run: interrupted; stopped all ranks on node {spec.node_rank}", file=err)
+        code = 130
+    except RendezvousError as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        print(f"shardwise run: rendezvous at {record['rendezvous']['endpoint']} failed: {first_line}; "
+              f"fix: start every node with the same --nnodes and --master-addr/--master-port", file=err)
+        code = 1
+    finally:
+        err.flush()
+        out.flush()
+    record.update(exit_code=code, seconds=round(time.monotonic() - start, 3))
+    run_dir.write_launch(spec.node_rank, record)
+    return code

@@ -1,0 +1,97 @@
+"""Time of one collective on the links it crosses (ring inside a node, hierarchical across nodes).
+
+Costs are per rank, in the alpha-beta model: each of a ring's steps pays the link
+latency, and each byte pays the link's bandwidth times `LINK_EFFICIENCY`. A group
+that spans nodes runs hierarchically (as NCCL does across NVLink and the network):
+the intra-node part moves the whole buffer over the node's links, the inter-node
+part moves 1/r of it per rank, and all ranks of a node share the node's NICs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import product
+
+from ..topology import Layout
+from . import assumptions as A
+from .hardware import ClusterSpec
+
+# Steps (and volume multiples) of a ring: all-reduce = reduce-scatter + all-gather.
+_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+_STRIDE_ORDER = ("tp", "dp_shard", "dp_replicate", "pp")   # innermost first, as Layout places ranks
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    size: int
+    per_node: int   # ranks of one group on one node
+    nodes: int      # nodes one group spans
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+@lru_cache(maxsize=4096)
+def group_shape(layout: Layout, devices_per_node: int, axes: tuple[str, ...]) -> GroupShape:
+    """Shape of the groups along `axes` (all groups of a layout have the same shape)."""
+    strides, stride = {}, 1
+    for axis in _STRIDE_ORDER:
+        strides[axis] = stride
+        stride *= getattr(layout, axis)
+    ranks = [sum(i * strides[a] for a, i in zip(axes, idx))
+             for idx in product(*(range(getattr(layout, a)) for a in axes))]
+    nodes = len({r // devices_per_node for r in ranks})
+    return GroupShape(len(ranks), len(ranks) // nodes, nodes)
+
+
+@dataclass(frozen=True)
+class LinkTime:
+    """Seconds a transfer occupies the intra-node and the inter-node links."""
+
+    intra: float = 0.0
+    inter: float = 0.0
+
+    def __add__(self, other: "LinkTime") -> "LinkTime":
+        return LinkTime(self.intra + other.intra, self.inter + other.inter)
+
+    @property
+    def busiest(self) -> float:
+        """Duration when many such transfers stream back to back: the two link levels work in parallel."""
+        return max(self.intra, self.inter)
+
+    @property
+    def serial(self) -> float:
+        """Duration of one transfer alone: its intra- and inter-node phases run one after the other."""
+        return self.intra + self.inter
+
+    @property
+    def link(self) -> str:
+        return "+".join(name for name, t in (("intra", self.intra), ("inter", self.inter)) if t) or "-"
+
+
+def collective_time(kind: str, nbytes: float, shape: GroupShape, cluster: ClusterSpec, calls: int = 1) -> LinkTime:
+    """Per-rank time to all-reduce / all-gather / reduce-scatter `nbytes` (the full, unsharded
+    buffer) in `calls` collectives of equal size: bandwidth is paid once, latency per call."""
+    if shape.size == 1 or nbytes == 0:
+        return LinkTime()
+    passes = _PASSES[kind]
+    r, k = shape.per_node, shape.nodes
+    intra = 0.0
+    if r > 1:
+        intra_bw = cluster.intra_node_bandwidth * A.LINK_EFFICIENCY
+        intra = passes * ((r - 1) / r * nbytes / intra_bw + calls * (r - 1) * cluster.intra_node_latency)
+    if k == 1:
+        return LinkTime(intra=intra)
+    per_rank_bw = cluster.inter_node_bandwidth * A.LINK_EFFICIENCY / cluster.devices_per_node
+    inter = passes * ((k - 1) / k * nbytes / r / per_rank_bw + calls * (k - 1) * cluster.inter_node_latency)
+    return LinkTime(intra=intra, inter=inter)
+
+
+def p2p_time(nbytes: float, crosses_nodes: bool, cluster: ClusterSpec) -> LinkTime:
+    """One pipeline send between neighbouring stages."""
+    if crosses_nodes:
+        bw = cluster.inter_node_bandwidth * A.LINK_EFFICIENCY / cluster.devices_per_node
+        return LinkTime(inter=nbytes / bw + cluster.inter_node_latency)
+    return LinkTime(intra=nbytes / (cluster.intra_node_bandwidth * A.LINK_EFFICIENCY) + cluster.intra_node_latency)

@@ -1,0 +1,170 @@
+"""Cluster specs: what a device can hold and compute, and how fast its links are.
+
+Presets carry vendor data-sheet figures (nominal, per direction); the fraction of
+them a training step achieves is an assumption of the time model (`timing.py`),
+stated in docs/planner.md. `16xp4d.24xlarge` means 16 nodes of that instance type.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional
+
+from ..topology import Cluster
+from .errors import PlanError, unknown
+
+GiB = 1024 ** 3
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Kernel facts that change what the backward pass keeps.
+
+    GPUs keep dropout masks as bool (1 byte) and run flash attention with dropout;
+    PyTorch's CPU kernels keep masks in the activation dtype and fall back to the
+    math attention path (which keeps the s × s probabilities) when attention dropout is on.
+    """
+
+    dropout_mask_bytes: Optional[int] = 1   # None: same as the activation dtype
+    flash_attention: bool = True
+    flash_attention_dropout: bool = True
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    memory_bytes: float
+    peak_flops: Mapping[str, float]      # per dtype name: fp32, bf16, fp16
+    memory_bandwidth: float              # bytes/s, for the optimizer step
+    host_bandwidth: float                # bytes/s to host memory, for activation offload
+    runtime_reserve_bytes: float = 0.0   # CUDA context, library workspaces: never available to tensors
+    kernels: Kernels = field(default_factory=Kernels)
+
+    def supports(self, dtype: str) -> bool:
+        return dtype in self.peak_flops
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """`nodes` × `devices_per_node` devices and the two link levels between them."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node_bandwidth: float   # bytes/s per device, per direction (NVLink, PCIe)
+    intra_node_latency: float     # seconds per collective step inside a node
+    inter_node_bandwidth: float   # bytes/s per node, per direction (all NICs together)
+    inter_node_latency: float     # seconds per collective step between nodes
+
+    @property
+    def topology(self) -> Cluster:
+        return Cluster(nodes=self.nodes, devices_per_node=self.devices_per_node)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def default_precision(self) -> str:
+        """The fastest precision the device has: a low precision only where it beats fp32
+        (tensor cores), bf16 before fp16 when both do. CPUs therefore plan in fp32."""
+        flops = self.device.peak_flops
+        faster = [d for d in ("bf16", "fp16") if flops.get(d, 0) > flops["fp32"]]
+        return max(faster, key=lambda d: flops[d]) if faster else "fp32"
+
+
+A100_40GB = DeviceSpec("A100-SXM4-40GB", 40 * GiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
+                       1555 * GB, 25 * GB, runtime_reserve_bytes=1 * GiB)
+A100_80GB = replace(A100_40GB, name="A100-SXM4-80GB", memory_bytes=80 * GiB, memory_bandwidth=2039 * GB)
+H100_80GB = DeviceSpec("H100-SXM5-80GB", 80 * GiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
+                       3350 * GB, 50 * GB, runtime_reserve_bytes=1 * GiB)
+T4_16GB = DeviceSpec("T4-16GB", 15 * GiB, {"fp32": 8.1e12, "fp16": 65e12}, 320 * GB, 12 * GB,
+                     runtime_reserve_bytes=0.5 * GiB)
+A10G_24GB = DeviceSpec("A10G-24GB", 22 * GiB, {"fp32": 31.2e12, "bf16": 125e12, "fp16": 125e12},
+                       600 * GB, 25 * GB, runtime_reserve_bytes=0.5 * GiB)
+
+_NODES: dict[str, dict] = {
+    "p4d.24xlarge": dict(devices_per_node=8, device=A100_40GB, intra_node_bandwidth=300 * GB,
+                         intra_node_latency=5e-6, inter_node_bandwidth=50 * GB, inter_node_latency=15e-6),
+    "p4de.24xlarge": dict(devices_per_node=8, device=A100_80GB, intra_node_bandwidth=300 * GB,
+                          intra_node_latency=5e-6, inter_node_bandwidth=50 * GB, inter_node_latency=15e-6),
+    "p5.48xlarge": dict(devices_per_node=8, device=H100_80GB, intra_node_bandwidth=450 * GB,
+                        intra_node_latency=5e-6, inter_node_bandwidth=400 * GB, inter_node_latency=15e-6),
+    "dgx-h100": dict(devices_per_node=8, device=H100_80GB, intra_node_bandwidth=450 * GB,
+                     intra_node_latency=5e-6, inter_node_bandwidth=400 * GB, inter_node_latency=5e-6),
+    "g4dn.12xlarge": dict(devices_per_node=4, device=T4_16GB, intra_node_bandwidth=12 * GB,
+                          intra_node_latency=10e-6, inter_node_bandwidth=6.25 * GB, inter_node_latency=30e-6),
+    "g5.48xlarge": dict(devices_per_node=8, device=A10G_24GB, intra_node_bandwidth=25 * GB,
+                        intra_node_latency=10e-6, inter_node_bandwidth=12.5 * GB, inter_node_latency=30e-6),
+}
+# Single-core CPU throughput (AVX2 FMA at ~3 GHz, sustained) and DRAM bandwidth are rough;
+# the local preset exists to plan test runs, not to predict their speed.
+_CPU_CORE_FLOPS = 50e9
+
+
+def local_node(processes: Optional[int] = None) -> dict:
+    """This machine as one node of `processes` CPU ranks (default: one per core), memory split evenly."""
+    processes = processes or os.cpu_count() or 1
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = DeviceSpec("CPU", ram / processes, {"fp32": _CPU_CORE_FLOPS, "bf16": _CPU_CORE_FLOPS},
+                     20 * GB / processes, 20 * GB / processes,
+                     kernels=Kernels(dropout_mask_bytes=None, flash_attention=True, flash_attention_dropout=False))
+    return dict(devices_per_node=processes, device=cpu, intra_node_bandwidth=5 * GB,
+                intra_node_latency=50e-6, inter_node_bandwidth=1.25 * GB, inter_node_latency=100e-6)
+
+
+PRESETS = sorted([*_NODES, "local"])
+_FORM = re.compile(r"^(?:(\d+)\s*[x×]\s*)?([A-Za-z0-9.\-]+)$")
+
+
+def cluster_preset(text: str, **overrides) -> ClusterSpec:
+    """Parse `[N x]preset` (e.g. `16xp4d.24xlarge`, `p5.48xlarge`, `local`) into a ClusterSpec.
+
+    `overrides` replace any field (nodes, devices_per_node, bandwidths, ...); None means keep.
+    `device_memory_bytes` replaces the device's memory, `peak_flops` its peak for every precision it has.
+    """
+    match = _FORM.match(text.strip())
+    name = match.group(2).removeprefix("ml.") if match else text
+    if not match or name not in PRESETS:
+        raise unknown("cluster preset", name, PRESETS,
+                      "write [NODES x]PRESET, e.g. 16xp4d.24xlarge; presets: " + ", ".join(PRESETS))
+    nodes = overrides.pop("nodes", None) or int(match.group(1) or 1)
+    if nodes < 1:
+        raise PlanError(f"cluster {text!r}: the node count must be 1 or more")
+    node = local_node(overrides.pop("devices_per_node", None)) if name == "local" else dict(_NODES[name])
+    device = _device_overrides(node.pop("device"), overrides)
+    fields = {**node, **{k: v for k, v in overrides.items() if v is not None}, "nodes": nodes}
+    return ClusterSpec(name=f"{fields['nodes']}x{name}", device=device, **fields)
+
+
+def _device_overrides(device: DeviceSpec, overrides: dict) -> DeviceSpec:
+    memory = overrides.pop("device_memory_bytes", None)
+    flops = overrides.pop("peak_flops", None)
+    if memory is not None:
+        device = replace(device, memory_bytes=memory)
+    if flops is not None:
+        device = replace(device, peak_flops={dtype: flops for dtype in device.peak_flops})
+    return device
+
+
+# What a custom cluster assumes for the values its flags do not give.
+CUSTOM_DEFAULTS = dict(memory_bandwidth=1500 * GB, host_bandwidth=25 * GB, intra_node_latency=5e-6,
+                       inter_node_latency=15e-6)
+
+
+def custom_cluster(*, nodes: int, devices_per_node: int, device_memory_bytes: float, peak_flops: float,
+                   intra_node_bandwidth: float, inter_node_bandwidth: float,
+                   intra_node_latency: Optional[float] = None,
+                   inter_node_latency: Optional[float] = None) -> ClusterSpec:
+    """A cluster described value by value; `peak_flops` applies to every precision."""
+    defaults = CUSTOM_DEFAULTS
+    device = DeviceSpec("custom device", device_memory_bytes, {d: peak_flops for d in ("fp32", "bf16", "fp16")},
+                        defaults["memory_bandwidth"], defaults["host_bandwidth"])
+    return ClusterSpec(name=f"{nodes}xcustom", nodes=nodes, devices_per_node=devices_per_node, device=device,
+                       intra_node_bandwidth=intra_node_bandwidth,
+                       intra_node_latency=intra_node_latency or defaults["intra_node_latency"],
+                       inter_node_bandwidth=inter_node_bandwidth,
+                       inter_node_latency=inter_node_latency or defaults["inter_node_latency"])

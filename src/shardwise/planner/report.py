@@ -1,0 +1,145 @@
+"""How a plan is shown: a ranked rich table, `--explain` details, JSON, and the best config as a file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from ..topology import Layout
+from .errors import PlanError
+from .hardware import GiB
+from .search import Evaluation, Plan
+
+_MEMORY_COLUMNS = ("parameters", "gradients", "optimizer", "activations", "other", "total")
+
+
+def strategy(e: Evaluation) -> str:
+    """Short name of the data-parallel strategy: DDP, ZeRO-k, or MiCS (ZeRO-k in groups of g)."""
+    layout, stage = e.layout, e.zero_stage
+    if layout.dp == 1:
+        return "-"
+    if stage == 0:
+        return "DDP"
+    if stage >= 2 and layout.dp_replicate > 1:
+        return f"MiCS ZeRO-{stage}/{layout.dp_shard}"
+    return f"ZeRO-{stage}"
+
+
+def _microbatching(e: Evaluation) -> str:
+    m = e.config.get("microbatches", 1)
+    active = e.config.get("active_microbatches")
+    text = f"{e.micro_batch}×{m}" + (f" a{active}" if active else "")
+    return text + (" off" if e.config.get("offload_activations") else "")
+
+
+def _title(plan: Plan) -> str:
+    spec, cluster = plan.spec, plan.cluster
+    return (f"{spec.name} ({spec.parameters / 1e9:.2f}B parameters) on {cluster.name} "
+            f"({cluster.world_size} × {cluster.device.name}), global batch {plan.global_batch} × seq {plan.seq}, "
+            f"{plan.precision}: {len(plan.fitting)} of {len(plan.considered)} layouts fit")
+
+
+def ranked_table(plan: Plan, top: int) -> Table:
+    """The `top` fitting layouts: degrees, memory per rank by category (GiB), step time, throughput."""
+    table = Table(title=_title(plan), title_justify="left")
+    for name in ("#", "tp", "pp", "dp rep×shard", "sharding", "ckpt", "mb×m"):
+        table.add_column(name, justify="left" if name in ("sharding", "ckpt", "mb×m") else "right")
+    for name in ("params", "grads", "optim", "act", "other", "total GiB", "step s", "tokens/s", "MFU"):
+        table.add_column(name, justify="right")
+    for i, e in enumerate(plan.fitting[:top], 1):
+        memory = e.memory.summary()
+        mark = " †" if e.pending else ""
+        table.add_row(f"{i}{mark}", str(e.layout.tp), str(e.layout.pp), f"{e.layout.dp_replicate}×{e.layout.dp_shard}",
+                      strategy(e), e.checkpointing, _microbatching(e),
+                      *(f"{memory[k] / GiB:.1f}" for k in _MEMORY_COLUMNS),
+                      f"{e.step_time:.3f}", f"{e.time.tokens_per_s:,.0f}", f"{e.time.mfu:.0%}")
+    return table
+
+
+def _time_table(plan: Plan, top: int) -> Table:
+    """Where each fitting layout's step time goes, so it is clear why one is slower than another."""
+    table = Table(title="step time by part (seconds)", title_justify="left")
+    table.add_column("#", justify="right")
+    parts = list(plan.fitting[0].time.parts()) if plan.fitting else []
+    for name in parts:
+        table.add_column(name.replace("_", " "), justify="right")
+    for i, e in enumerate(plan.fitting[:top], 1):
+        table.add_row(str(i), *(f"{v:.3f}" for v in e.time.parts().values()))
+    return table
+
+
+def _collectives_table(e: Evaluation) -> Table:
+    table = Table(title="collectives of #1 per step (volume per rank, time before overlap)", title_justify="left")
+    for name in ("collective", "axis", "GiB", "link", "seconds"):
+        table.add_column(name, justify="left" if name in ("collective", "axis", "link") else "right")
+    for c in e.time.collectives:
+        table.add_row(c.name, c.axis, f"{c.bytes_per_step / GiB:.2f}", c.link, f"{c.seconds:.3f}")
+    return table
+
+
+def _degrees(layout: Layout) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.degrees().items())
+
+
+def print_plan(plan: Plan, top: int, explain: bool, console: Optional[Console] = None) -> None:
+    """The ranked table; with `explain`, the time breakdown, #1's collectives and every rejection."""
+    # Piped or captured output gets a wide table rather than rich's 80-column default.
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    console.print(ranked_table(plan, top))
+    if any(e.pending for e in plan.fitting[:top]):
+        console.print("† needs a feature this release cannot run yet: "
+                      + ", ".join(sorted({k for e in plan.fitting[:top] for k in e.pending})))
+    if not plan.fitting:
+        console.print("No layout fits; run with --explain to see why each fails.")
+    if not explain:
+        return
+    if plan.fitting:
+        console.print(_time_table(plan, top))
+        console.print(_collectives_table(plan.fitting[0]))
+    rejected = [e for e in plan.considered if not e.fits]
+    console.print(f"rejected layouts ({len(rejected)}):")
+    for e in rejected:
+        console.print(f"  {_degrees(e.layout)} {strategy(e)} ckpt={e.checkpointing}: {e.reason}",
+                      markup=False, highlight=False)
+
+
+def to_json(plan: Plan) -> list[dict]:
+    """One object per layout considered, in rank order; `config` is runnable as is."""
+    rows = []
+    for e in plan.considered:
+        row = {"config": e.config, "layout": e.layout.degrees(), "activation_checkpointing": e.checkpointing,
+               "batch_size": e.batch_size, "micro_batch": e.micro_batch or None,
+               "memory_bytes": e.memory.summary() if e.memory else None,
+               "memory_detail_bytes": e.memory.detail() if e.memory else None,
+               "step_time_s": e.time.total if e.time else None,
+               "step_time_parts_s": e.time.parts() if e.time else None,
+               "tokens_per_s": e.time.tokens_per_s if e.time else None,
+               "mfu": e.time.mfu if e.time else None,
+               "fits": e.fits, "pending_features": list(e.pending)}
+        if not e.fits:
+            row["reason"] = e.reason
+        rows.append(row)
+    return rows
+
+
+def config_format(path: str) -> str:
+    """'json' or 'yaml' from the file name, checked before planning so a typo fails fast."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise PlanError(f"--out {path!r}: use a .json, .yaml or .yml file name")
+    return "json" if suffix == ".json" else "yaml"
+
+
+def write_config(e: Evaluation, path: str) -> None:
+    """The config of `e` as JSON (.json) or YAML (.yaml, .yml)."""
+    if config_format(path) == "json":
+        text = json.dumps(e.config, indent=2) + "\n"
+    else:
+        text = yaml.safe_dump(e.config, sort_keys=False)
+    Path(path).write_text(text, encoding="utf-8")

@@ -1,0 +1,255 @@
+"""Enumerate configurations for a model on a cluster, predict each, keep the fitting ones ranked.
+
+A *layout considered* is one choice of degrees (tp, pp, MiCS group), ZeRO stage and
+checkpointing strategy. For each, the microbatch count, active microbatches and
+activation offload are chosen here: the fastest variant that fits, else the one
+needing the least memory (whose overflow `--explain` reports). Every candidate is
+a plain dict of config keys checked by the same `parse_config` and `layout_for`
+that `shardwise run` uses, so a plan is a config `run` accepts as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, NamedTuple, Optional, Union
+
+from ..config import ConfigError, Problem, ShardwiseConfig, parse_config, unavailable_features
+from ..topology import Layout, layout_for
+from .activations import CHECKPOINTING
+from .errors import PlanError
+from .hardware import GiB, ClusterSpec
+from .memory import MemoryBreakdown, predict_memory
+from .spec import ModelSpec
+from .timing import StepTime, predict_step_time
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One configuration and its prediction. `batch_size` is sequences per data-parallel replica
+    per step (what `data_loader` gets with prescaled_batch); `micro_batch` = batch_size / microbatches."""
+
+    config: dict
+    layout: Layout
+    zero_stage: int
+    checkpointing: str
+    batch_size: int
+    micro_batch: int = 0
+    memory: Optional[MemoryBreakdown] = None
+    time: Optional[StepTime] = None
+    reason: Optional[str] = None
+    pending: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
+
+    @property
+    def step_time(self) -> float:
+        return self.time.total if self.time else float("inf")
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: ModelSpec
+    cluster: ClusterSpec
+    global_batch: int
+    seq: int
+    precision: str
+    considered: list[Evaluation] = field(default_factory=list)
+
+    @property
+    def fitting(self) -> list[Evaluation]:
+        return [e for e in self.considered if e.fits]
+
+    @property
+    def best(self) -> Optional[Evaluation]:
+        return next(iter(self.fitting), None)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, group: int = 1,
+                microbatches: int = 1, active: Optional[int] = None, offload: bool = False) -> dict:
+    """The config keys for one candidate, leaving defaults out so the plan reads like a hand-written config."""
+    d: dict = {}
+    if tp > 1:
+        d.update(tensor_parallel_degree=tp, prescaled_batch=True)
+    if pp > 1:
+        d.update(pipeline_parallel_degree=pp, active_microbatches=active or min(pp, microbatches))
+    if microbatches > 1:
+        d["microbatches"] = microbatches
+    if stage == 1:
+        d["shard_optimizer_state"] = True
+    elif stage >= 2:
+        d.update(zero_stage=stage, sharded_data_parallel_degree=group)
+    if precision != "fp32":
+        d[precision] = True
+    if offload:
+        d["offload_activations"] = True
+    return d
+
+
+def _model_problems(spec: ModelSpec, tp: int, pp: int, dp: int, global_batch: int) -> list[Problem]:
+    """Rules that need the model or the batch, beyond what config validation knows."""
+    problems = []
+    if spec.heads % tp or spec.kv_heads % tp:
+        problems.append(Problem("tensor_parallel_degree", tp, f"must divide the model's {spec.heads} attention "
+                                f"heads ({spec.kv_heads} key/value heads)", "use a smaller power of two"))
+    if pp > spec.layers:
+        problems.append(Problem("pipeline_parallel_degree", pp, f"exceeds the model's {spec.layers} layers",
+                                f"use at most {spec.layers} stages"))
+    if global_batch % dp:
+        problems.append(Problem("global batch", global_batch, f"is not divisible by the data-parallel degree {dp}",
+                                "choose a global batch that is a multiple of it"))
+    return problems
+
+
+class _Choice(NamedTuple):
+    """The part of a configuration the search enumerates; microbatching is chosen per choice."""
+
+    tp: int
+    pp: int
+    stage: int
+    group: int           # ZeRO-2/3 partition-group size (MiCS when below the data-parallel degree)
+    checkpointing: str
+
+    def requested_layout(self, world: int) -> Layout:
+        dp = world // (self.tp * self.pp)
+        shard = self.group if self.stage >= 2 else 1
+        return Layout(pp=self.pp, dp_replicate=dp // shard, dp_shard=shard, tp=self.tp)
+
+
+def _rejected(d: dict, layout: Layout, stage: int, problems: list[Problem], checkpointing: str,
+              batch: int) -> Evaluation:
+    return Evaluation(d, layout, stage, checkpointing, batch, reason="; ".join(map(str, problems)))
+
+
+def _overflow(memory: MemoryBreakdown, cluster: ClusterSpec) -> Optional[str]:
+    """Why `memory` does not fit one device, naming the largest category; None when it fits."""
+    capacity = cluster.device.memory_bytes
+    if memory.total <= capacity:
+        return None
+    name, largest = max(((k, v) for k, v in memory.summary().items() if k != "total"), key=lambda kv: kv[1])
+    return (f"needs {memory.total / GiB:.1f} GiB per rank, {(memory.total - capacity) / GiB:.1f} GiB more than "
+            f"the {capacity / GiB:.0f} GiB of one {cluster.device.name} (largest: {name} {largest / GiB:.1f} GiB)")
+
+
+def _predict(spec: ModelSpec, cluster: ClusterSpec, config: ShardwiseConfig, d: dict, layout: Layout,
+             checkpointing: str, batch: int, seq: int) -> Evaluation:
+    micro = batch // config.microbatches
+    memory = predict_memory(spec, config, layout, micro, seq, checkpointing, cluster.device)
+    time = predict_step_time(spec, config, layout, cluster, micro, seq, checkpointing)
+    pending = tuple(key for key, _ in unavailable_features(config))
+    return Evaluation(d, layout, config.effective_zero_stage, checkpointing, batch, micro, memory, time,
+                      _overflow(memory, cluster), pending)
+
+
+def evaluate(spec: ModelSpec, cluster: ClusterSpec, config: Union[Mapping, ShardwiseConfig], *,
+             global_batch: int, seq: Optional[int] = None, checkpointing: str = "none") -> Evaluation:
+    """Predict one given config (a dict of config keys or a ShardwiseConfig) on `cluster`."""
+    config = config if isinstance(config, ShardwiseConfig) else parse_config(config)
+    d = config.model_dump(exclude_defaults=True)
+    layout = layout_for(config, cluster.topology)
+    problems = _model_problems(spec, layout.tp, layout.pp, layout.dp, global_batch)
+    batch = global_batch // layout.dp
+    if not problems and batch % config.microbatches:
+        problems.append(Problem("microbatches", config.microbatches,
+                                f"must divide the batch of {batch} per replica", "use a divisor of it"))
+    if problems:
+        return _rejected(d, layout, config.effective_zero_stage, problems, checkpointing, batch)
+    return _predict(spec, cluster, config, d, layout, checkpointing, batch, seq or spec.seq_len)
+
+
+def _variants(choice: _Choice, precision: str, batch: int) -> Iterator[dict]:
+    """Microbatching and offload for one choice: microbatch counts dividing the replica's batch,
+    1F1B's natural pp (or all) in flight, offload only with checkpointing, pipelining and m > 1."""
+    tp, pp, stage, group, checkpointing = choice
+    for m in (m for m in _powers_of_two(batch) if batch % m == 0):
+        actives = sorted({min(pp, m), m}) if pp > 1 else [None]
+        offloads = [False, True] if pp > 1 and checkpointing != "none" and m > 1 else [False]
+        for active in actives:
+            for offload in offloads:
+                yield config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
+                                  active=active, offload=offload)
+
+
+def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch: int, seq: int,
+                  precision: str) -> Evaluation:
+    """The fastest fitting variant of `choice`, else the one needing the least memory."""
+    results = []
+    for d in _variants(choice, precision, batch):
+        try:
+            config = parse_config(d)
+            layout = layout_for(config, cluster.topology)
+        except ConfigError as err:
+            layout = choice.requested_layout(cluster.world_size)
+            return _rejected(d, layout, choice.stage, err.problems, choice.checkpointing, batch)
+        results.append(_predict(spec, cluster, config, d, layout, choice.checkpointing, batch, seq))
+    fitting = [e for e in results if e.fits]
+    if fitting:
+        return min(fitting, key=lambda e: (e.step_time, e.memory.total))
+    return min(results, key=lambda e: e.memory.total)
+
+
+def _sharding_choices(dp: int) -> list[tuple[int, int]]:
+    """(ZeRO stage, partition group): DDP; with dp > 1 also ZeRO-1, and ZeRO-2/3 in every group size."""
+    if dp == 1:
+        return [(0, 1)]
+    return [(0, 1), (1, 1)] + [(stage, group) for group in _divisors(dp)[1:] for stage in (2, 3)]
+
+
+def _considered(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: int,
+                precision: str) -> Iterator[Evaluation]:
+    """One evaluation per (tp, pp) the rules reject, else per sharding and checkpointing choice."""
+    world = cluster.world_size
+    for tp in _powers_of_two(min(world, 2 * cluster.devices_per_node)):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            base = config_dict(precision, tp=tp, pp=pp)
+            problems = _model_problems(spec, tp, pp, dp, global_batch)
+            try:
+                layout_for(parse_config(base), cluster.topology)
+            except ConfigError as err:
+                problems = err.problems + problems
+            if problems:
+                yield _rejected(base, Layout(pp=pp, dp_replicate=dp, tp=tp), 0, problems, "none", global_batch // dp)
+                continue
+            for stage, group in _sharding_choices(dp):
+                for checkpointing, blocks in CHECKPOINTING.items():
+                    if blocks <= spec.stage_layers(pp):
+                        yield _best_variant(spec, cluster, _Choice(tp, pp, stage, group, checkpointing),
+                                            global_batch // dp, seq, precision)
+
+
+def _rank_key(e: Evaluation) -> tuple:
+    if e.fits:
+        return (0, e.step_time, e.memory.total)
+    if e.memory is not None:
+        return (1, e.memory.total, 0.0)
+    return (2, 0.0, 0.0)
+
+
+def plan(spec: ModelSpec, cluster: ClusterSpec, *, global_batch: Optional[int] = None, seq: Optional[int] = None,
+         precision: Optional[str] = None) -> Plan:
+    """Every layout considered for `spec` on `cluster`, fitting ones first, fastest first.
+
+    Defaults: the model's sequence length, one sequence per device, and the device's
+    fastest precision (bf16 on A100/H100, fp16 on T4, fp32 on CPUs). Precision is an input, not searched:
+    it changes the numerics, which a plan must not do behind the user's back.
+    """
+    global_batch = global_batch or cluster.world_size
+    seq = seq or spec.seq_len
+    precision = precision or cluster.default_precision()
+    if global_batch < 1 or seq < 1:
+        raise PlanError(f"global batch ({global_batch}) and sequence length ({seq}) must be 1 or more")
+    if not cluster.device.supports(precision):
+        raise PlanError(f"precision {precision!r} is not supported by {cluster.device.name}; use one of "
+                        + ", ".join(sorted(cluster.device.peak_flops)))
+    considered = sorted(_considered(spec, cluster, global_batch, seq, precision), key=_rank_key)
+    return Plan(spec, cluster, global_batch, seq, precision, considered)

@@ -1,0 +1,84 @@
+"""What the planner needs to know about a model: its shape, parameter counts and FLOPs per token.
+
+A `ModelSpec` is pure data. It comes from a Hugging Face config (`families.py`),
+a preset or a user's builder (`models.py`); memory and time are computed from it
+in `activations.py`, `memory.py` and `timing.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A transformer of `layers` identical blocks plus an embedding and an output head.
+
+    `embedding_parameters` and `head_parameters` are the parameters outside the blocks
+    that live on the first and on the last pipeline stage; a tied LM head counts once in
+    `parameters` but is held by both end stages when the model is pipelined.
+    """
+
+    name: str
+    family: str              # gpt2 | llama | bert | vit
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int                 # intermediate size of the MLP
+    vocab: int               # rows of the token embedding; 0 for ViT
+    seq_len: int             # tokens per sample by default (ViT: patches + 1)
+    activation: str          # HF activation name: gelu, gelu_new, silu, ...
+    gated_mlp: bool          # Llama-style gate * up MLP
+    norm: str                # layernorm | rmsnorm
+    attention_dropout: float
+    hidden_dropout: float
+    parameters: int          # total, as the built model counts them
+    layer_parameters: int    # one transformer block
+    embedding_parameters: int
+    head_parameters: int     # output head not shared with the embedding
+    tied_head: bool          # the head reuses the token embedding matrix
+    head_outputs: int        # logits per token (vocab for LM heads; 0 when only one token is classified)
+    input_elements_per_token: float = 0.0  # model input a token carries (ViT: pixels of its patch)
+    embedding_saved_elements: float = 0.0  # kept per token by the embedding for backward (ViT pixels, BERT's LayerNorm)
+    head_saved_elements: float = 0.0       # kept per token by the final norm / head transform, before the logits
+
+    @property
+    def head_matmul_parameters(self) -> int:
+        """Weights the head multiplies per token (a tied embedding counts here). A classifier
+        that reads one token per sample costs nothing per token."""
+        return self.head_outputs * self.hidden
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token (forward + backward = 3 × forward), without recompute.
+
+        Forward: 2 FLOPs per weight the token passes through (every block, the head, and a
+        ViT's patch projection) plus 4·s·h per block for QKᵀ and attention × V. This is the
+        PaLM/Megatron convention, so MFU from it compares with published numbers.
+        """
+        return 3 * self.forward_flops_per_token(seq, self.layers) + 3 * self.edge_flops_per_token()
+
+    def forward_flops_per_token(self, seq: int, layers: int) -> float:
+        """Forward FLOPs per token through `layers` blocks (what recompute repeats)."""
+        return layers * (2 * self.layer_parameters + 4 * seq * self.hidden)
+
+    def edge_flops_per_token(self) -> float:
+        """Forward FLOPs per token outside the blocks: the head and a ViT's patch projection."""
+        return 2 * (self.head_matmul_parameters + self.input_elements_per_token * self.hidden)
+
+    def stage_layers(self, pp: int) -> int:
+        """Blocks on the fullest pipeline stage (stages get ⌈layers / pp⌉ at most)."""
+        return math.ceil(self.layers / pp)
+
+    def stage_parameters(self, pp: int) -> int:
+        """Parameters on the largest pipeline stage, before tensor parallelism.
+
+        With one stage this is the whole model. Otherwise the first stage holds the
+        embedding, the last the head (and its own copy of a tied embedding).
+        """
+        blocks = self.stage_layers(pp) * self.layer_parameters
+        if pp == 1:
+            return self.parameters
+        last_head = self.head_parameters + (self.vocab * self.hidden if self.tied_head else 0)
+        return blocks + max(self.embedding_parameters, last_head)

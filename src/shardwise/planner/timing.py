@@ -1,0 +1,176 @@
+"""Step time of one configuration: compute, recompute, exposed communication, bubble, optimizer.
+
+The busiest pipeline stage sets the pace. Per microbatch it runs forward (F) and
+backward (2F, plus F again for recomputed blocks) at the achievable FLOP/s. ZeRO
+gathers and gradient reduction run per block while compute proceeds, so each
+phase lasts max(compute, comm) plus the share overlap cannot hide plus one
+block's worth that cannot overlap at all (the first gather, the last reduce).
+Tensor-parallel all-reduces sit on the critical path; so do the gathers after
+the optimizer step (ZeRO-1/2), pipeline fill/drain sends and the update itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ..config.schema import ShardwiseConfig
+from ..topology import Layout
+from . import assumptions as A
+from .activations import CHECKPOINTING
+from .collectives import LinkTime, collective_time, group_shape, p2p_time
+from .hardware import ClusterSpec
+from .memory import dtype_bytes, in_flight_microbatches, shard_degrees
+from .spec import ModelSpec
+
+_DP_AXES = ("dp_replicate", "dp_shard")
+_WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
+         "after_step": "after the optimizer step", "critical": "critical path"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a step: per-rank buffer volume and link time summed over the step."""
+
+    name: str
+    axis: str
+    bytes_per_step: float
+    link: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    recompute: float
+    tensor_parallel: float
+    data_parallel: float      # exposed part of gradient sync and ZeRO gathers
+    pipeline_bubble: float
+    pipeline_p2p: float
+    optimizer: float
+    offload: float            # exposed part of activation transfers to host and back
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    collectives: tuple[Collective, ...] = ()
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self)[:8])
+
+    def parts(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)[:8]}
+
+
+def _phase(window: float, comm: LinkTime, units: int) -> float:
+    """Duration of a compute phase of `window` seconds that overlaps `comm`, issued in `units` pieces."""
+    c = comm.busiest
+    if c == 0:
+        return window
+    return max(window, c) + (1 - A.OVERLAP_EFFICIENCY) * min(window, c) + c / units
+
+
+class _Traffic:
+    """Collects a step's collectives by when they run: per microbatch (forward, backward),
+    once with the last backward (sync), after the optimizer step, or on the critical path."""
+
+    def __init__(self, cluster: ClusterSpec, layout: Layout, microbatches: int, blocks: int):
+        self.cluster, self.layout, self.microbatches, self.blocks = cluster, layout, microbatches, blocks
+        self.forward = self.backward = self.sync = self.after_step = LinkTime()
+        self.records: list[Collective] = []
+
+    def add(self, when: str, kind: str, nbytes: float, axes: tuple[str, ...], label: str, calls: int = 0) -> LinkTime:
+        """Add `nbytes` of `kind` on the groups along `axes`, in `calls` collectives
+        (default: per block when sharded per block, else per DDP-sized bucket)."""
+        calls = calls or (self.blocks if "dp_shard" in axes and len(axes) == 1 else -(-int(nbytes) // A.BUCKET_BYTES))
+        shape = group_shape(self.layout, self.cluster.devices_per_node, axes)
+        t = collective_time(kind, nbytes, shape, self.cluster, calls)
+        if t.serial == 0:
+            return t
+        if when != "critical":
+            setattr(self, when, getattr(self, when) + t)
+        count = self.microbatches if when in ("forward", "backward", "critical") else 1
+        self.records.append(Collective(f"{label} {kind.replace('_', '-')} ({_WHEN[when]})",
+                                       "×".join(a for a in axes if getattr(self.layout, a) > 1),
+                                       nbytes * count, t.link, t.serial * count))
+        return t
+
+
+def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, nbytes: float) -> None:
+    """Which collectives each ZeRO stage issues, on which group, and when (seed 000's MiCS included)."""
+    stage = config.effective_zero_stage
+    if stage == 0:
+        traffic.add("sync", "all_reduce", nbytes, _DP_AXES, "gradient")
+    elif stage == 1:
+        traffic.add("sync", "reduce_scatter", nbytes, _DP_AXES, "gradient")
+        traffic.add("after_step", "all_gather", nbytes, _DP_AXES, "parameter")
+    else:
+        if stage == 3:
+            traffic.add("forward", "all_gather", nbytes, ("dp_shard",), "parameter")
+            traffic.add("backward", "all_gather", nbytes, ("dp_shard",), "parameter")
+        else:
+            traffic.add("after_step", "all_gather", nbytes, ("dp_shard",), "parameter")
+        traffic.add("backward", "reduce_scatter", nbytes, ("dp_shard",), "gradient")
+        traffic.add("sync", "all_reduce", nbytes / layout.dp_shard, ("dp_replicate",), "gradient shard")
+
+
+def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float) -> float:
+    """Exposed pipeline sends: on fill and drain, pp - 1 hops forward and back wait for the link."""
+    layout = traffic.layout
+    if layout.pp == 1:
+        return 0.0
+    crosses = group_shape(layout, cluster.devices_per_node, ("pp",)).crosses_nodes
+    send = p2p_time(activation, crosses, cluster)
+    m = traffic.microbatches
+    traffic.records.append(Collective("activation send/recv (fill and drain exposed)", "pp", 2 * m * activation,
+                                      send.link, 2 * m * send.serial))
+    return 2 * (layout.pp - 1) * send.serial
+
+
+def _optimizer_seconds(config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec, rank_params: float) -> float:
+    """Adam's update is memory-bound: read and write moments, master copy and parameter, read the gradient."""
+    _, _, optimizer_shards = shard_degrees(config, layout)
+    low = dtype_bytes(config)
+    master = A.MASTER_COPY_BYTES if config.dtype_name != "fp32" else 0
+    touched = rank_params / optimizer_shards * (2 * (A.OPTIMIZER_STATE_BYTES + master + low) + low)
+    return touched / cluster.device.memory_bandwidth
+
+
+def _offload_seconds(config: ShardwiseConfig, cluster: ClusterSpec, checkpointing: str, layers: int,
+                     activation: float, compute: float) -> float:
+    """Exposed part of moving each kept block input to host in forward and back in backward."""
+    group = CHECKPOINTING[checkpointing]
+    if not (config.offload_activations and group):
+        return 0.0
+    moved = 2 * config.microbatches * -(-layers // group) * activation / cluster.device.host_bandwidth
+    return _phase(compute, LinkTime(intra=moved), layers) - compute
+
+
+def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
+                      micro_batch: int, seq: int, checkpointing: str = "none") -> StepTime:
+    """Seconds per optimizer step on the busiest stage, with tokens/s and MFU for the whole cluster."""
+    m, pp, tp = config.microbatches, layout.pp, layout.tp
+    peak = cluster.device.peak_flops[config.dtype_name]
+    rate = peak * A.ACHIEVABLE_FLOPS_FRACTION
+    layers, tokens = spec.stage_layers(pp), micro_batch * seq
+    blocks_fwd = tokens * spec.forward_flops_per_token(seq, layers) / tp / rate
+    forward = blocks_fwd + tokens * spec.edge_flops_per_token() / tp / rate
+    recompute = blocks_fwd if CHECKPOINTING[checkpointing] else 0.0
+    activation = tokens * spec.hidden * dtype_bytes(config)
+    traffic = _Traffic(cluster, layout, m, layers)
+    tp_calls = layers * (4 + (2 if recompute else 0))   # Megatron: 2 all-reduces forward, 2 backward
+    tp_time = traffic.add("critical", "all_reduce", tp_calls * activation, ("tp",), "activation", tp_calls).serial
+    rank_params = spec.stage_parameters(pp) / tp
+    _data_parallel_traffic(traffic, config, layout, rank_params * dtype_bytes(config))
+
+    busy = 3 * forward + recompute + tp_time
+    fwd_phase = _phase(forward, traffic.forward, layers)
+    t_mb = fwd_phase + _phase(2 * forward + recompute, traffic.backward, layers) + tp_time
+    t_last = fwd_phase + _phase(2 * forward + recompute, traffic.backward + traffic.sync, layers) + tp_time
+    slots = max(m + pp - 1, m * pp / in_flight_microbatches(config, layout)) if pp > 1 else m
+    time = StepTime(compute=3 * forward * m, recompute=recompute * m, tensor_parallel=tp_time * m,
+                    data_parallel=m * (t_mb - busy) + (t_last - t_mb) + traffic.after_step.serial,
+                    pipeline_bubble=(slots - m) * t_mb, pipeline_p2p=_pipeline_p2p(traffic, cluster, activation),
+                    optimizer=_optimizer_seconds(config, layout, cluster, rank_params),
+                    offload=_offload_seconds(config, cluster, checkpointing, layers, activation, m * busy))
+    tokens_per_s = micro_batch * m * layout.dp * seq / time.total
+    mfu = tokens_per_s * spec.flops_per_token(seq) / (cluster.world_size * peak)
+    return StepTime(**time.parts(), tokens_per_s=tokens_per_s, mfu=mfu, collectives=tuple(traffic.records))

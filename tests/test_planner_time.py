@@ -1,0 +1,88 @@
+"""The time model: collective costs per link, overlap, pipeline bubble, recompute, MFU."""
+
+import pytest
+
+from shardwise.config import parse_config
+from shardwise.planner import cluster_preset, predict_step_time, resolve_model
+from shardwise.planner import assumptions as A
+from shardwise.planner.collectives import collective_time, group_shape
+from shardwise.topology import Layout, layout_for
+
+P4D = cluster_preset("4xp4d.24xlarge")
+
+
+def test_group_shapes_follow_the_innermost_first_placement():
+    layout = Layout(pp=1, dp_replicate=4, dp_shard=8, tp=1)
+    shard = group_shape(layout, 8, ("dp_shard",))
+    assert (shard.size, shard.per_node, shard.nodes) == (8, 8, 1)
+    replicas = group_shape(layout, 8, ("dp_replicate",))
+    assert (replicas.size, replicas.per_node, replicas.nodes) == (4, 1, 4)
+    flat = group_shape(layout, 8, ("dp_replicate", "dp_shard"))
+    assert (flat.size, flat.per_node, flat.nodes) == (32, 8, 4)
+
+
+def test_ring_all_reduce_inside_a_node():
+    shape = group_shape(Layout(dp_shard=8), 8, ("dp_shard",))
+    nbytes = 1e9
+    expected = 2 * 7 / 8 * nbytes / (P4D.intra_node_bandwidth * A.LINK_EFFICIENCY) + 2 * 7 * P4D.intra_node_latency
+    assert collective_time("all_reduce", nbytes, shape, P4D).intra == pytest.approx(expected)
+    assert collective_time("all_reduce", nbytes, shape, P4D).inter == 0
+
+
+def test_hierarchical_collective_shares_the_nics_of_a_node():
+    shape = group_shape(Layout(dp_shard=32), 8, ("dp_shard",))   # 4 nodes × 8 ranks
+    nbytes = 8e9
+    t = collective_time("all_gather", nbytes, shape, P4D, calls=10)
+    per_rank_bw = P4D.inter_node_bandwidth * A.LINK_EFFICIENCY / 8
+    assert t.inter == pytest.approx(3 / 4 * nbytes / 8 / per_rank_bw + 10 * 3 * P4D.inter_node_latency)
+    assert t.intra == pytest.approx(7 / 8 * nbytes / (P4D.intra_node_bandwidth * A.LINK_EFFICIENCY)
+                                    + 10 * 7 * P4D.intra_node_latency)
+
+
+def _time(config: dict, cluster=P4D, model="gpt2-10b", micro_batch=2, seq=512, checkpointing="none"):
+    parsed = parse_config(config)
+    layout = layout_for(parsed, cluster.topology)
+    return predict_step_time(resolve_model(model), parsed, layout, cluster, micro_batch, seq, checkpointing)
+
+
+def test_one_device_is_compute_plus_update_and_mfu_follows():
+    one = cluster_preset("p4d.24xlarge", devices_per_node=1)
+    t = _time({"bf16": True}, cluster=one)
+    spec = resolve_model("gpt2-10b")
+    flops = 2 * 512 * (spec.flops_per_token(512))
+    assert t.compute == pytest.approx(flops / (312e12 * A.ACHIEVABLE_FLOPS_FRACTION))
+    assert t.total == pytest.approx(t.compute + t.optimizer)
+    assert t.mfu == pytest.approx(A.ACHIEVABLE_FLOPS_FRACTION * t.compute / t.total)
+
+
+def test_recompute_repeats_the_forward_of_the_blocks():
+    none, per_layer = (_time({"bf16": True}, checkpointing=c) for c in ("none", "per_layer"))
+    spec = resolve_model("gpt2-10b")
+    block_share = spec.forward_flops_per_token(512, spec.layers) / (spec.forward_flops_per_token(512, spec.layers)
+                                                                    + spec.edge_flops_per_token())
+    assert per_layer.recompute == pytest.approx(none.compute / 3 * block_share)
+
+
+def test_pipeline_bubble_is_pp_minus_one_microbatch_slots():
+    node = cluster_preset("p4d.24xlarge")
+    t = _time({"bf16": True, "pipeline_parallel_degree": 8, "microbatches": 16}, cluster=node)
+    per_microbatch = (t.compute + t.recompute + t.tensor_parallel) / 16
+    assert t.pipeline_bubble == pytest.approx(7 * per_microbatch)
+    starved = _time({"bf16": True, "pipeline_parallel_degree": 8, "microbatches": 16, "active_microbatches": 2},
+                    cluster=node)
+    assert starved.pipeline_bubble == pytest.approx((16 * 8 / 2 - 16) * per_microbatch)
+
+
+def test_overlap_hides_most_zero3_traffic():
+    t = _time({"bf16": True, "sharded_data_parallel_degree": 32})
+    serial = sum(c.seconds for c in t.collectives)
+    assert 0 < t.data_parallel < serial
+    names = {c.name.split(" (")[0] for c in t.collectives}
+    assert names == {"parameter all-gather", "gradient reduce-scatter"}
+
+
+def test_tensor_parallel_all_reduces_are_on_the_critical_path():
+    t = _time({"bf16": True, "tensor_parallel_degree": 8})
+    tp = next(c for c in t.collectives if c.axis == "tp")
+    assert t.tensor_parallel == pytest.approx(tp.seconds) and tp.link == "intra"
+    assert tp.bytes_per_step == pytest.approx(4 * 48 * 2 * 512 * 4096 * 2)   # 4 all-reduces per block

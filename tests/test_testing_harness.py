@@ -1,0 +1,181 @@
+"""shardwise.testing: pooled multi-process worlds, loud failures, hard timeouts."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.testing import DistributedTestError, distributed, run_distributed
+
+
+def _all_reduce_rank_plus_one():
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _rank_record(scale, offset=0.0):
+    rank = dist.get_rank()
+    return {"rank": rank, "value": torch.full((2,), rank * scale + offset)}
+
+
+def _launch_env():
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+    return {k: int(os.environ[k]) for k in keys} | {"pg_rank": dist.get_rank()}
+
+
+def _set_env_var():
+    os.environ["SHARDWISE_TEST_LEAK"] = "1"
+
+
+def _get_env_var():
+    return os.environ.get("SHARDWISE_TEST_LEAK")
+
+
+def _print_and_fail_on_rank_one():
+    print(f"printed by rank {dist.get_rank()}", flush=True)
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # blocked on a rank that will never arrive
+
+
+def _exit_on_rank_one():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def _sleep_on_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(300)
+
+
+@distributed(world_size=2)
+def _rank_and_world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_reduce_sums_over_ranks(world_size):
+    expected = world_size * (world_size + 1) / 2
+    assert run_distributed(_all_reduce_rank_plus_one, world_size) == [expected] * world_size
+
+
+def test_results_are_ordered_by_rank_and_args_are_passed():
+    results = run_distributed(_rank_record, 4, 10.0, offset=0.5)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["value"], torch.full((2,), rank * 10.0 + 0.5))
+
+
+def test_env_simulates_two_nodes_of_two():
+    envs = run_distributed(_launch_env, 4, nproc_per_node=2)
+    seen = [(e["RANK"], e["pg_rank"], e["LOCAL_RANK"], e["GROUP_RANK"], e["NODE_RANK"])
+            for e in envs]
+    assert seen == [(0, 0, 0, 0, 0), (1, 1, 1, 0, 0), (2, 2, 0, 1, 1), (3, 3, 1, 1, 1)]
+    assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs} == {(4, 2)}
+
+
+def test_env_is_restored_after_a_call():
+    run_distributed(_set_env_var, 2)
+    assert run_distributed(_get_env_var, 2) == [None, None]
+
+
+def test_pool_is_reused_across_calls():
+    first = run_distributed(os.getpid, 2)
+    assert len(set(first)) == 2 and os.getpid() not in first
+    assert run_distributed(os.getpid, 2) == first
+
+
+def test_output_is_quiet_on_success(capfd):
+    run_distributed(print, 2, "hello from a worker", flush=True)
+    out, err = capfd.readouterr()
+    assert "hello from a worker" not in out + err
+
+
+def test_exception_names_rank_and_message_and_pool_is_replaced():
+    before = run_distributed(os.getpid, 2)
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_print_and_fail_on_rank_one, 2, timeout=60)
+    assert time.monotonic() - start < 30  # rank 0, blocked on rank 1, did not hang the caller
+    message = str(info.value)
+    assert "_print_and_fail_on_rank_one failed on rank 1 of 2: ValueError: boom on rank 1" \
+        in message
+    assert 'raise ValueError("boom on rank 1")' in message  # the remote traceback
+    assert "printed by rank 1" in message  # the rank's output tail
+    assert info.value.rank == 1 and "ValueError: boom on rank 1" in info.value.tracebacks[1]
+    assert not set(run_distributed(os.getpid, 2)) & set(before)  # fresh workers after a failure
+    assert run_distributed(_all_reduce_rank_plus_one, 2) == [3.0, 3.0]
+
+
+def test_dead_worker_is_reported_and_replaced():
+    died = r"failed on rank 1 of 2: the worker process died \(exit code 3\)"
+    with pytest.raises(DistributedTestError, match=died):
+        run_distributed(_exit_on_rank_one, 2, timeout=60)
+    assert run_distributed(_all_reduce_rank_plus_one, 2) == [3.0, 3.0]
+
+
+def test_hang_raises_timeout_with_stacks_and_next_call_works():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        run_distributed(_sleep_on_rank_zero, 2, timeout=2.0)
+    assert time.monotonic() - start < 2.0 + 10
+    message = str(info.value)
+    assert ("_sleep_on_rank_zero did not finish within 2.0s on ranks [0] of 2; "
+            "ranks [1] had returned and were waiting for them") in message
+    if sys.platform != "win32":
+        assert "in _sleep_on_rank_zero" in message  # rank 0's stack, dumped before the kill
+    assert run_distributed(_all_reduce_rank_plus_one, 2) == [3.0, 3.0]
+
+
+def test_decorator_returns_results_by_rank():
+    assert _rank_and_world() == [(0, 2), (1, 2)]
+
+
+@distributed(world_size=2)
+def test_decorated_test_runs_on_every_rank_with_fixtures(tmp_path):
+    assert dist.get_world_size() == 2 and tmp_path.is_dir()
+
+
+def test_bad_arguments_are_rejected_before_launch():
+    with pytest.raises(TypeError, match="picklable fn and arguments .a module-level function."):
+        run_distributed(lambda: None, 2)
+    with pytest.raises(ValueError, match="nproc_per_node=3 must be a positive int dividing "
+                                         "world_size=4"):
+        run_distributed(os.getpid, 4, nproc_per_node=3)
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        run_distributed(os.getpid, 0)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
+        run_distributed(os.getpid, 2, timeout=0)
+
+
+_ORPHANING_PARENT = """
+import os
+from shardwise.testing import run_distributed
+print(*run_distributed(os.getpid, 2), flush=True)
+os._exit(0)  # no atexit: the workers must notice on their own
+"""
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_exit_when_the_parent_dies():
+    out = subprocess.run([sys.executable, "-c", _ORPHANING_PARENT], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    pids = [int(p) for p in out.split()]
+    deadline = time.monotonic() + 10
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_running, pids))
