@@ -4,29 +4,49 @@
     sw.init({"sharded_data_parallel_degree": 2})
     model = sw.DistributedModel(build_model())
     optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters()))
+
+Names are resolved on first use, so `import shardwise.planner` (or `shardwise
+plan`) never loads torch.distributed.
 """
 
-from .api.data import data_loader
-from .api.model import DistributedModel
-from .api.optimizer import DistributedOptimizer
-from .api.step import StepOutput, step
-from .config import ConfigError, ShardwiseConfig
-from .parallel.checkpointing import apply_activation_checkpointing as set_activation_checkpointing
-from .runtime.agreement import ConfigMismatchError
-from .runtime.init import init, shutdown
-from .runtime.ranks import (
-    dp_rank, dp_size, get_dp_process_group, get_pp_process_group, get_rdp_process_group, get_tp_process_group,
-    get_world_process_group, local_rank, local_size, pp_rank, pp_size, rank, rdp_rank, rdp_size, size, tp_rank,
-    tp_size,
-)
-from .runtime.state import is_initialized
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError", "ConfigMismatchError", "DistributedModel", "DistributedOptimizer", "ShardwiseConfig", "StepOutput",
-    "data_loader", "dp_rank", "dp_size", "get_dp_process_group", "get_pp_process_group", "get_rdp_process_group",
-    "get_tp_process_group", "get_world_process_group", "init", "is_initialized", "local_rank", "local_size",
-    "pp_rank", "pp_size", "rank", "rdp_rank", "rdp_size", "set_activation_checkpointing", "shutdown", "size", "step",
-    "tp_rank", "tp_size",
-]
+_EXPORTS = {
+    "data_loader": "api.data",
+    "DistributedModel": "api.model",
+    "DistributedOptimizer": "api.optimizer",
+    "StepOutput": "api.step",
+    "step": "api.step",
+    "ConfigError": "config",
+    "ShardwiseConfig": "config",
+    "set_activation_checkpointing": "parallel.checkpointing",
+    "ConfigMismatchError": "runtime.agreement",
+    "init": "runtime.init",
+    "shutdown": "runtime.init",
+    "is_initialized": "runtime.state",
+    **{name: "runtime.ranks" for name in (
+        "rank", "local_rank", "size", "local_size", "dp_rank", "dp_size", "tp_rank", "tp_size", "pp_rank", "pp_size",
+        "rdp_rank", "rdp_size", "get_world_process_group", "get_dp_process_group", "get_rdp_process_group",
+        "get_tp_process_group", "get_pp_process_group")},
+}
+_RENAMED = {"set_activation_checkpointing": "apply_activation_checkpointing"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+    module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+    value = getattr(module, _RENAMED.get(name, name))
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

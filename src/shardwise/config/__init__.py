@@ -3,7 +3,7 @@
 from .errors import ConfigError, Problem
 from .schema import ShardwiseConfig, unavailable_features
 from .sources import load_dict
-from .validate import load_config, parse_config
+from .validate import load_config, parse_config, refuse_unavailable
 
 __all__ = ["ConfigError", "Problem", "ShardwiseConfig", "load_config", "load_dict", "parse_config",
-           "unavailable_features"]
+           "refuse_unavailable", "unavailable_features"]

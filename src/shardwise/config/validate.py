@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping
 from pydantic import ValidationError
 
 from .errors import ConfigError, Problem, did_you_mean
-from .schema import ShardwiseConfig, field_names
+from .schema import ShardwiseConfig, field_names, unavailable_features
 from .sources import ConfigSource, load_dict
 
 _FIXES = {
@@ -89,3 +89,11 @@ def parse_config(data: Mapping[str, Any]) -> ShardwiseConfig:
 def load_config(source: ConfigSource = None, overrides: Iterable[str] = ()) -> ShardwiseConfig:
     """Read, merge and validate: the one entry point for every config source."""
     return parse_config(load_dict(source, overrides))
+
+
+def refuse_unavailable(config: ShardwiseConfig) -> None:
+    """Raise for settings whose feature this release cannot run yet, rather than silently ignoring them."""
+    pending = unavailable_features(config)
+    if pending:
+        raise ConfigError([Problem(key, value, "this feature is not available yet in this shardwise release",
+                                   "remove the key (or set it to its default) for now") for key, value in pending])

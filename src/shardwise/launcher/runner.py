@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Iterator, Optional, TextIO
 
-from ..config import ConfigError, Problem, ShardwiseConfig, unavailable_features
+from ..config import ShardwiseConfig, refuse_unavailable
 from ..topology import layout_for
 from ..topology.describe import describe_layout
 from .failure import format_failure, rank_failures
@@ -99,10 +99,7 @@ def check_runnable(config: ShardwiseConfig, spec: LaunchSpec):
     """The checks `shardwise.init()` makes on every rank, made once before starting any:
     the layout must fit the cluster shape and every feature the config asks for must exist."""
     layout = layout_for(config, spec.cluster)
-    pending = unavailable_features(config)
-    if pending:
-        raise ConfigError([Problem(key, value, "this feature is not available yet in this shardwise release",
-                                   "remove the key (or set it to its default) for now") for key, value in pending])
+    refuse_unavailable(config)
     return layout
 
 

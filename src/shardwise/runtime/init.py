@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Union
 
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, Problem, ShardwiseConfig, load_config, unavailable_features
+from ..config import ShardwiseConfig, load_config, refuse_unavailable
 from ..topology import Cluster, layout_for
 from . import state
 from .agreement import check_same_config
@@ -27,13 +27,6 @@ def _resolve_config(config: ConfigLike) -> ShardwiseConfig:
     if config is None:
         config = os.environ.get(CONFIG_ENV)
     return load_config(config)
-
-
-def _refuse_unavailable(config: ShardwiseConfig) -> None:
-    pending = unavailable_features(config)
-    if pending:
-        raise ConfigError([Problem(key, value, "this feature is not available yet in this shardwise release",
-                                   "remove the key (or set it to its default) for now") for key, value in pending])
 
 
 def _start_process_group(device: torch.device) -> bool:
@@ -57,7 +50,7 @@ def init(config: ConfigLike = None) -> ShardwiseConfig:
     if state.is_initialized():
         raise RuntimeError("shardwise.init() was already called in this process; call shardwise.shutdown() first")
     resolved = _resolve_config(config)
-    _refuse_unavailable(resolved)
+    refuse_unavailable(resolved)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = local_device(local_rank)
     owns = _start_process_group(device)
