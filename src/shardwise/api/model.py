@@ -6,12 +6,12 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ..parallel import precision
 from ..parallel.clipping import clip_grad_norm_
 from ..parallel.compose import parallelize
-from ..parallel.sharding import Replicated
 from ..runtime.state import current
 
 
@@ -27,7 +27,7 @@ class DistributedModel(nn.Module):
         module.to(runtime.device)
         self._parallel = parallelize(module, runtime.mesh, runtime.config)
         self.module = self._parallel.module
-        self._autocast = isinstance(self._parallel, Replicated)
+        self._autocast = not isinstance(self.module, FSDPModule)  # FSDP2 modules cast by their own policy
         self.loss_scaler = precision.loss_scaler(runtime.config, runtime.device)
         runtime.model = self
 

@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
+from typing import Any, Optional
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..parallel.optimizer_state import OptimizerStateSharding
 from ..runtime.state import current
 
 
-def _shard_optimizer_state(optimizer: torch.optim.Optimizer, process_group) -> ZeroRedundancyOptimizer:
-    """ZeRO-1: rebuild the same optimizer class and groups, each rank keeping state for its share only."""
-    if optimizer.state:
-        raise ValueError("DistributedOptimizer must wrap a fresh optimizer (it already has state); "
-                         "create it right after DistributedModel and before the first step")
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    # Some classes record derived defaults their constructor does not take (AdamW: decoupled_weight_decay).
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    groups = [{k: v for k, v in group.items() if k in accepted or k == "params"} for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=process_group, **defaults)
-
-
 class DistributedOptimizer:
-    """Steps the wrapped optimizer the way the configured parallelism needs."""
+    """Steps the wrapped optimizer the way the configured parallelism needs.
+
+    With ZeRO-1 the wrapped optimizer holds only this rank's share of the
+    parameters (see parallel/optimizer_state.py); `zero_grad` still clears every
+    parameter's gradient.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -35,8 +27,9 @@ class DistributedOptimizer:
                                "optimizer from model.parameters()")
         self._runtime = runtime
         self._model = runtime.model
-        if runtime.config.effective_zero_stage == 1 and runtime.layout.dp > 1:
-            optimizer = _shard_optimizer_state(optimizer, runtime.mesh["rdp"].get_group())
+        self._sharding: Optional[OptimizerStateSharding] = None
+        if runtime.config.effective_zero_stage == 1 and runtime.mesh["rdp"].size() > 1:
+            self._sharding = OptimizerStateSharding(optimizer, runtime.mesh["rdp"].get_group())
         self.optimizer = optimizer
 
     def step(self, closure: Any = None) -> Any:
@@ -48,13 +41,18 @@ class DistributedOptimizer:
         if clip is not None:
             self._model.clip_grad_norm_(clip)
         if scaler is None:
-            return self.optimizer.step(closure)
-        result = scaler.step(self.optimizer)
-        scaler.update()
+            result = self.optimizer.step(closure)
+        else:
+            result = scaler.step(self.optimizer)
+            scaler.update()
+        if self._sharding is not None:
+            self._sharding.broadcast_parameters()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._sharding is not None:  # the optimizer only knows its own share
+            self._model.get_module().zero_grad(set_to_none=set_to_none)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -11,9 +11,16 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from ..parallel.tensor import loss_context
 from ..runtime.state import current
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    """A detached ordinary tensor (a vocabulary-parallel loss comes back as a replicated DTensor)."""
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
 
 
 class StepOutput:
@@ -25,7 +32,7 @@ class StepOutput:
     def _combine(self, fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
         flat = [pytree.tree_flatten(o) for o in self.outputs]
         spec = flat[0][1]
-        leaves = [fn([f[0][i].detach() for f in flat]) for i in range(len(flat[0][0]))]
+        leaves = [fn([_plain(f[0][i]) for f in flat]) for i in range(len(flat[0][0]))]
         return pytree.tree_unflatten(leaves, spec)
 
     def reduce_mean(self) -> Any:
@@ -78,7 +85,8 @@ def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:
         try:
             for index, (mb_args, mb_kwargs) in enumerate(pieces):
                 runtime.microbatch = (index, parts)
-                with runtime.model.microbatch_context(last=index == parts - 1):
+                # loss_context: vocabulary-parallel logits need forward, loss and backward under loss_parallel().
+                with runtime.model.microbatch_context(last=index == parts - 1), loss_context(runtime.model.get_module()):
                     outputs.append(fn(*mb_args, **mb_kwargs))
         finally:
             runtime.microbatch = None

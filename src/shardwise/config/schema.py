@@ -68,9 +68,7 @@ def field_names() -> list[str]:
 def unavailable_features(config: ShardwiseConfig) -> list[tuple[str, object]]:
     """(key, value) of settings whose feature this release cannot run yet."""
     pending = {
-        "tensor_parallel_degree": config.tensor_parallel_degree > 1,
         "pipeline_parallel_degree": config.pipeline_parallel_degree > 1,
-        "prescaled_batch": config.prescaled_batch,
         "offload_activations": config.offload_activations,
         "delayed_parameter_initialization": config.delayed_parameter_initialization,
     }

@@ -1,9 +1,10 @@
 """The one place that fixes the order techniques are applied in.
 
-Order: every rank starts from rank 0's weights → (tensor parallel, when
-available) → data parallel / sharding. Activation checkpointing is applied
-afterwards by the user's `set_activation_checkpointing` calls, which works on a
-sharded model (see checkpointing.py).
+Order: every rank starts from rank 0's weights → tensor parallel (layers split
+over the `tp` axis, the batch gathered inside each TP group) → data parallel /
+sharding over the other axes (FSDP2 composes with TP's DTensors). Activation
+checkpointing is applied afterwards by the user's `set_activation_checkpointing`
+calls, which works on a split and sharded model (see checkpointing.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from ..runtime.mesh import ParallelMesh
 
 from ..config.schema import ShardwiseConfig
+from ..runtime.mesh import ParallelMesh
 from .sharding import DataParallel, apply_data_parallel
+from .tensor import TensorParallelBatch, apply_tensor_parallel
 
 
 @torch.no_grad()
@@ -28,4 +30,7 @@ def broadcast_from_rank0(module: nn.Module) -> None:
 
 def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig) -> DataParallel:
     broadcast_from_rank0(module)
+    if config.tensor_parallel_degree > 1:
+        apply_tensor_parallel(module, mesh["tp"], config)
+        TensorParallelBatch(mesh["tp"], config.prescaled_batch).install(module)
     return apply_data_parallel(module, mesh, config)

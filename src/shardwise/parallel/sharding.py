@@ -12,13 +12,13 @@ import contextlib
 from typing import ContextManager
 
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-
-from ..runtime.mesh import ParallelMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config.schema import ShardwiseConfig
+from ..runtime.mesh import ParallelMesh
 from . import precision
 from .wrap import sharding_units
 
@@ -35,9 +35,16 @@ class DataParallel:
 
 
 class Replicated(DataParallel):
-    """DDP (ZeRO-0 and ZeRO-1): full replicas, gradients all-reduced once per step."""
+    """DDP (ZeRO-0 and ZeRO-1): full replicas, gradients all-reduced once per step.
+
+    Tensor-parallel parameters are DTensors, which `DistributedDataParallel`
+    cannot bucket; there the module is replicated with FSDP2's `replicate`
+    (same all-reduce, DTensor-aware) instead.
+    """
 
     def microbatch_context(self, last: bool) -> ContextManager:
+        if isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(last)
         if last or not isinstance(self.module, DistributedDataParallel):
             return contextlib.nullcontext()
         return self.module.no_sync()
@@ -79,4 +86,6 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, config: ShardwiseC
     rdp_mesh = mesh["rdp"]
     if rdp_mesh.size() == 1:
         return Replicated(model, model)
+    if config.tensor_parallel_degree > 1:
+        return Replicated(replicate(model, mesh=rdp_mesh, mp_policy=precision.sharded_policy(config, root=True)), model)
     return Replicated(DistributedDataParallel(model, device_mesh=rdp_mesh), model)

@@ -1,0 +1,58 @@
+"""ZeRO-1: each data-parallel replica keeps optimizer state for its share of the parameters only.
+
+Parameters are dealt whole to the ranks of the replica group, largest first to
+the least-loaded rank, so every rank's share is about 1/n of the bytes. The
+user's own optimizer object keeps only its share in `param_groups` (so Adam's
+two fp32 moments exist for 1/n of the model); after each step every owner
+broadcasts its updated parameters to the other replicas.
+
+Written here rather than taken from `torch.distributed.optim.ZeroRedundancyOptimizer`
+because that one rebuilds the optimizer from its class and arguments and cannot
+broadcast tensor-parallel DTensor parameters; this one keeps the user's
+optimizer and moves only each parameter's local tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def assign_owners(sizes: list[int], ranks: int) -> list[int]:
+    """Owner rank of each parameter: largest first, each to the least-loaded rank (ties: lowest rank)."""
+    load = [0] * ranks
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner = min(range(ranks), key=lambda r: (load[r], r))
+        owners[index] = owner
+        load[owner] += sizes[index]
+    return owners
+
+
+class OptimizerStateSharding:
+    """Keeps `optimizer` to this rank's share of its parameters and re-syncs the others after a step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup):
+        if optimizer.state:
+            raise ValueError("DistributedOptimizer must wrap a fresh optimizer (it already has state); "
+                             "create it right after DistributedModel and before the first step")
+        self.group = group
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        owners = assign_owners([_local(p).numel() for p in params], dist.get_world_size(group))
+        self.owner_of = {p: dist.get_global_rank(group, owner) for p, owner in zip(params, owners)}
+        me = dist.get_rank()
+        for param_group in optimizer.param_groups:
+            param_group["params"] = [p for p in param_group["params"] if self.owner_of[p] == me]
+
+    @torch.no_grad()
+    def broadcast_parameters(self) -> None:
+        """Every replica receives each parameter from the rank that stepped it."""
+        works = [dist.broadcast(_local(p), src=owner, group=self.group, async_op=True)
+                 for p, owner in self.owner_of.items()]
+        for work in works:
+            work.wait()
