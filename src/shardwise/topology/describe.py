@@ -9,8 +9,9 @@ from .layout import Layout
 _GROUPS = [
     ("tp", ("tp",), "tensor parallel"),
     ("dp_shard", ("dp_shard",), "ZeRO partition"),
-    ("dp_replicate", ("dp_replicate",), "replica (gradient all-reduce)"),
-    ("dp", ("dp_replicate", "dp_shard"), "data parallel"),
+    ("dp_replicate", ("dp_replicate",), "MiCS replicas, gradient all-reduce only"),
+    ("rdp", ("dp_replicate", "dp_shard"), "reduced data parallel: ranks with the same TP shard"),
+    ("dp", ("dp_replicate", "dp_shard", "tp"), "data parallel as SMP counts it: rdp × tp"),
     ("pp", ("pp",), "pipeline"),
 ]
 
@@ -34,8 +35,8 @@ def describe_layout(config: ShardwiseConfig, layout: Layout, cluster: Cluster) -
         f"microbatches: {config.microbatches}",
     ]
     for name, axes, meaning in _GROUPS:
-        if all(getattr(layout, a) == 1 for a in axes):
-            continue
+        if all(getattr(layout, a) == 1 for a in axes) or (name == "dp" and layout.tp == 1):
+            continue  # a trivial group, or dp when it equals rdp
         groups = layout.groups(*axes)
         where = "crosses nodes" if layout.crosses_nodes(cluster, *axes) else "inside nodes"
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
