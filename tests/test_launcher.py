@@ -58,9 +58,9 @@ def test_config_error_stops_before_any_rank_starts(tmp_path, capsys):
 
 
 def test_config_the_runtime_cannot_run_yet_stops_before_launch(tmp_path, capsys, monkeypatch):
-    from shardwise.launcher import runner
+    from shardwise.config import validate
 
-    monkeypatch.setattr(runner, "unavailable_features", lambda config: [("offload_activations", True)])
+    monkeypatch.setattr(validate, "unavailable_features", lambda config: [("offload_activations", True)])
     script = _write(tmp_path, "train.py", ENV_SCRIPT)
     code = main(["run", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), script])
     assert code == 2

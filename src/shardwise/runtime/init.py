@@ -13,7 +13,7 @@ from ..topology import Cluster, layout_for
 from . import state
 from .agreement import check_same_config
 from .devices import backend_for, local_device
-from .mesh import ParallelMesh
+from .mesh import ParallelMesh, forget_cached_meshes
 
 # Set by `shardwise run` for every rank: the path of the validated config it was given.
 CONFIG_ENV = "SHARDWISE_CONFIG"
@@ -71,3 +71,4 @@ def shutdown() -> None:
     state.set_current(None)
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_cached_meshes()

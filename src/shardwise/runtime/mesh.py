@@ -23,3 +23,18 @@ class ParallelMesh:
         if isinstance(names, str) and names in self._flat:
             return self._flat[names]
         return self.world[names]
+
+
+def forget_cached_meshes() -> None:
+    """Drop DTensor's sharding and redistribution caches, which hold DeviceMeshes.
+
+    A DeviceMesh compares equal to any other of the same shape and ranks, so once
+    the process group is destroyed and a new one made in the same process (a
+    second `init`, a pooled test worker), a cache hit would hand back a mesh whose
+    process groups no longer exist.
+    """
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()

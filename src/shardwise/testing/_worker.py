@@ -133,17 +133,10 @@ def _barrier(store, name: str, rank: int, world: int, wait: bool = True) -> None
 
 
 def _cleanup() -> None:
-    import torch.distributed as dist
+    """Forget the runtime, the process group and every cache that holds its meshes."""
+    from shardwise.runtime.init import shutdown
 
-    import shardwise
-
-    shutdown = getattr(shardwise, "shutdown", None)
-    try:
-        if shutdown is not None:
-            shutdown()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    shutdown()
 
 
 @contextlib.contextmanager
