@@ -1,8 +1,11 @@
-"""Predicted memory per category against torch's MemTracker on one CPU process.
+"""Predicted memory per category against torch's MemTracker, for the runs the suite makes on CPU.
 
-A real training step of tiny Hugging Face models (AdamW, fp32): model states must
-match within ±10 %, activations within ±25 %. The sharded runs will be compared the
-same way once the runtime applies them; `measure_step` is the reusable part.
+The second training step (AdamW) of tiny Hugging Face models, measured per rank:
+model states after `optimizer.step()` must match `predict_memory` within ±10 %,
+activations within ±25 % (issue 5). Single-process runs cover the four families
+in plain PyTorch; the sharded runs train GPT-2 with shardwise itself on 4 gloo
+ranks under DDP, ZeRO-1, ZeRO-2, ZeRO-3 and MiCS, in fp32 and bf16. The peak of
+the whole step must stay under the predicted total and within 25 % of it.
 """
 
 import pytest
@@ -12,39 +15,66 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, predict_memory, spec_from_hf
-from shardwise.topology import Layout
+from shardwise.testing import run_distributed
+from shardwise.topology import Cluster, Layout, layout_for
 
-BATCH = 4
-
-
-def measure_step(model: torch.nn.Module, batch: dict) -> dict:
-    """Bytes per MemTracker category: model states after optimizer.step(), activations at the end of forward."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        loss = model(**batch).loss
-        after_forward = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
-        loss.backward()
-        optimizer.step()
-        after_step = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
-
-    def get(snapshot, name):
-        return next(v for k, v in snapshot.items() if getattr(k, "name", None) == name)
-
-    return {"parameters": get(after_step, "PARAM"), "gradients": get(after_step, "GRAD"),
-            "optimizer": get(after_step, "OPT"), "activations": get(after_forward, "ACT")}
+BATCH, WORLD = 4, 4
+STATES = ("parameters", "gradients", "optimizer")
+CPU = cluster_preset("local").device
 
 
-def _text_batch(vocab: int, seq: int) -> dict:
-    ids = torch.randint(0, vocab, (BATCH, seq))
+def _categories(tracker: MemTracker, kind: str) -> dict:
+    snapshot = tracker.get_tracker_snapshot(kind).get(torch.device("cpu"), {})
+    return {getattr(k, "name", k): v for k, v in snapshot.items()}
+
+
+class StepMemory:
+    """MemTracker over one step; the step calls `forward_done()` once its loss is computed.
+
+    Activations are what forward allocated and the step freed: ACT at the end of
+    forward minus the ACT still alive after the step (DDP rebuilds its gradient
+    buckets in the second step's forward; they are buffers, not activations).
+    """
+
+    def __init__(self, *tracked):
+        self.tracker = MemTracker()
+        self.tracker.track_external(*tracked)
+        self.forward: dict = {}
+
+    def forward_done(self) -> None:
+        self.forward = _categories(self.tracker, "current")
+
+    def __enter__(self):
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.tracker.__exit__(*exc)
+
+    @classmethod
+    def of_second_step(cls, train, *tracked) -> dict:
+        """Run `train(memory)` twice and measure the second: optimizer states exist then, as in every later step."""
+        train(None)
+        memory = cls(*tracked)
+        with memory:
+            train(memory)
+        return memory.result()
+
+    def result(self) -> dict:
+        after = _categories(self.tracker, "current")
+        return {"parameters": after.get("PARAM", 0), "gradients": after.get("GRAD", 0),
+                "optimizer": after.get("OPT", 0), "activations": self.forward.get("ACT", 0) - after.get("ACT", 0),
+                "peak": _categories(self.tracker, "peak")["Total"]}
+
+
+def _text_batch(vocab: int, seq: int, seed: int = 0) -> dict:
+    ids = torch.randint(0, vocab, (BATCH, seq), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids}
 
 
+GPT2 = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
 CASES = {
-    "gpt2": (transformers.GPT2LMHeadModel,
-             transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64),
-             lambda: _text_batch(256, 64), 64),
+    "gpt2": (transformers.GPT2LMHeadModel, GPT2, lambda: _text_batch(256, 64), 64),
     "llama": (transformers.LlamaForCausalLM,
               transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, intermediate_size=160, vocab_size=256,
@@ -61,14 +91,94 @@ CASES = {
 }
 
 
+def _check(name: str, predicted, measured: dict) -> None:
+    """Assert issue 5's tolerances; print the comparison (`pytest -s` shows the table in docs/planner.md)."""
+    summary = {**predicted.detail(), "peak": predicted.total}
+    print(f"\n{name}: " + ", ".join(f"{k} {summary[k] / 1e3:,.0f}/{measured[k] / 1e3:,.0f} kB "
+                                     f"({summary[k] / measured[k] - 1:+.1%})"
+                                     for k in (*STATES, "activations", "peak")))
+    for category in STATES:
+        assert summary[category] == pytest.approx(measured[category], rel=0.10), category
+    assert summary["activations"] == pytest.approx(measured["activations"], rel=0.25)
+    assert measured["peak"] <= predicted.total <= 1.25 * measured["peak"]
+
+
+@pytest.mark.filterwarnings("ignore:Module is None")  # MemTracker's hooks on BERT's freed submodules
 @pytest.mark.parametrize("family", list(CASES))
-def test_predicted_memory_matches_memtracker(family):
+def test_one_process_matches_memtracker(family):
     model_class, hf_config, make_batch, seq = CASES[family]
     torch.manual_seed(0)
-    measured = measure_step(model_class(hf_config).train(), make_batch())
-    spec = spec_from_hf(hf_config.to_dict(), family)
-    predicted = predict_memory(spec, parse_config({}), Layout(), BATCH, seq,
-                               device=cluster_preset("local").device).summary()
-    for category in ("parameters", "gradients", "optimizer"):
-        assert predicted[category] == pytest.approx(measured[category], rel=0.10), category
-    assert predicted["activations"] == pytest.approx(measured["activations"], rel=0.25)
+    model = model_class(hf_config).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = make_batch()
+
+    def train(memory):
+        optimizer.zero_grad()
+        loss = model(**batch).loss
+        if memory:
+            memory.forward_done()
+        loss.backward()
+        optimizer.step()
+
+    measured = StepMemory.of_second_step(train, model, optimizer)
+    predicted = predict_memory(spec_from_hf(hf_config.to_dict(), family), parse_config({}), Layout(), BATCH, seq,
+                               device=CPU)
+    _check(family, predicted, measured)
+
+
+SHARDED = {
+    "DDP": {},
+    "ZeRO-1": {"shard_optimizer_state": True},
+    "ZeRO-2": {"zero_stage": 2, "sharded_data_parallel_degree": WORLD},
+    "ZeRO-3": {"sharded_data_parallel_degree": WORLD},
+    "MiCS 2×2": {"sharded_data_parallel_degree": 2},
+}
+SHARDED.update({f"{name} bf16": {**config, "bf16": True} for name, config in SHARDED.items()})
+
+
+def measure_shardwise(config: dict) -> dict:
+    """This rank's memory in the second step of GPT-2 trained through shardwise's API."""
+    import shardwise as sw
+    from shardwise.runtime import state
+
+    sw.init(config)
+    torch.manual_seed(0)
+    model = sw.DistributedModel(transformers.GPT2LMHeadModel(GPT2))
+    optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = _text_batch(256, 64, seed=sw.rank())
+
+    @sw.step
+    def train_step(model, batch, memory):
+        loss = model(**batch).loss
+        if memory:
+            memory.forward_done()
+        model.backward(loss)
+        return loss
+
+    def train(memory):
+        optimizer.zero_grad()
+        train_step(model, batch, memory)
+        optimizer.step()
+
+    measured = StepMemory.of_second_step(train, model, optimizer.optimizer)
+    state.set_current(None)  # the next config starts afresh on the same process group
+    return measured
+
+
+def measure_all(configs: dict) -> dict:
+    return {name: measure_shardwise(config) for name, config in configs.items()}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs() -> dict:
+    """Every sharded case in one call: {name: per-category maximum over the ranks}."""
+    per_rank = run_distributed(measure_all, WORLD, SHARDED, timeout=300)
+    return {name: {k: max(rank[name][k] for rank in per_rank) for k in per_rank[0][name]} for name in SHARDED}
+
+
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_sharded_runtime_matches_memtracker(name, sharded_runs):
+    config = parse_config(SHARDED[name])
+    predicted = predict_memory(spec_from_hf(GPT2.to_dict(), "gpt2"), config, layout_for(config, Cluster(1, WORLD)),
+                               BATCH, 64, device=CPU)
+    _check(name, predicted, sharded_runs[name])

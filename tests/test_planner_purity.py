@@ -1,21 +1,21 @@
-"""The planner is pure: planning loads neither torch nor torch.distributed, so it runs on a laptop.
+"""The planner is pure: `import shardwise` and `shardwise plan` load no torch, so planning runs on a laptop.
 
-The top-level `shardwise` package exports the runtime (which needs torch), so the
-subprocess registers a bare `shardwise` package first and checks what the planner,
-config, topology and the `plan` command themselves pull in.
+The top-level package resolves its runtime exports (which need torch) on first use,
+so a fresh interpreter that imports it, plans and prints JSON through the CLI must
+end with no `torch` module loaded, let alone `torch.distributed`.
 """
 
 import subprocess
 import sys
 
 SCRIPT = """
-import importlib.util, sys, types
-package = types.ModuleType("shardwise")
-package.__path__ = list(importlib.util.find_spec("shardwise").submodule_search_locations)
-sys.modules["shardwise"] = package
-import shardwise.cli.plan
+import contextlib, io, sys
+import shardwise
+from shardwise.cli import main
 from shardwise.planner import cluster_preset, plan, resolve_model, to_json
 to_json(plan(resolve_model("gpt2-60b"), cluster_preset("32xp4d.24xlarge"), global_batch=896))
+with contextlib.redirect_stdout(io.StringIO()):
+    main(["plan", "--model", "vit-630m", "--cluster", "8xg4dn.12xlarge", "--json"])
 print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 """
 

@@ -31,15 +31,20 @@ def _count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _sizes(module: torch.nn.Module) -> list[int]:
+    return sorted(p.numel() for p in module.parameters())
+
+
 @pytest.mark.parametrize("name", list(TINY))
-def test_parameter_count_equals_the_built_model(name):
+def test_parameter_tensors_equal_the_built_model(name):
     model_class, hf_config = TINY[name]
     with torch.device("meta"):
         model = model_class(hf_config)
     spec = spec_from_hf(hf_config.to_dict(), name)
     assert spec.parameters == _count(model)
+    assert sorted(spec.stage_tensors(1)) == _sizes(model)
     blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
-    assert spec.layer_parameters == _count(blocks[0])
+    assert sorted(spec.layer_tensors) == _sizes(blocks[0])
 
 
 @pytest.mark.parametrize("family,config_class", [("gpt2", transformers.GPT2Config), ("llama", transformers.LlamaConfig),

@@ -86,3 +86,22 @@ def test_tensor_parallel_all_reduces_are_on_the_critical_path():
     tp = next(c for c in t.collectives if c.axis == "tp")
     assert t.tensor_parallel == pytest.approx(tp.seconds) and tp.link == "intra"
     assert tp.bytes_per_step == pytest.approx(4 * 48 * 2 * 512 * 4096 * 2)   # 4 all-reduces per block
+
+
+def test_data_parallel_collectives_are_the_runtimes():
+    """As bench/sharding.py counts them: DDP all-reduces fp32 gradients, ZeRO-1 then broadcasts every
+    tensor from its owner, ZeRO-2 gathers in forward only and ZeRO-3 in backward too; in bf16 the
+    gathers move bf16 and the gradients fp32."""
+    a = resolve_model("gpt2-10b").parameters
+
+    def collectives(config: dict) -> list[tuple[str, float]]:
+        return sorted((c.name, c.bytes_per_step) for c in _time({"bf16": True, **config}).collectives)
+
+    assert collectives({}) == [("gradient all-reduce (overlaps last backward)", 4 * a)]
+    assert collectives({"shard_optimizer_state": True}) == [
+        ("gradient all-reduce (overlaps last backward)", 4 * a),
+        ("parameter broadcast (after the optimizer step)", 4 * a)]
+    zero2 = [("gradient reduce-scatter (overlaps backward)", 4 * a), ("parameter all-gather (overlaps forward)", 2 * a)]
+    assert collectives({"zero_stage": 2, "sharded_data_parallel_degree": 32}) == zero2
+    assert collectives({"sharded_data_parallel_degree": 32}) == sorted(
+        zero2 + [("parameter all-gather (overlaps backward)", 2 * a)])

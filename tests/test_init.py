@@ -1,0 +1,96 @@
+"""`sw.init`: one process with no launcher, the config `shardwise run` hands over, and ranks that
+disagree on the config failing fast on every rank instead of hanging.
+
+(The whole `shardwise run --set ...` → `sw.init()` path runs in test_seed_script.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.config import ConfigError, parse_config
+from shardwise.launcher.rundir import RunDir
+from shardwise.runtime.init import CONFIG_ENV
+from shardwise.testing import run_distributed
+from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error, train_reference
+
+LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", CONFIG_ENV)
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """A plain `python train.py`: no torchrun variables, no config from `shardwise run`."""
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if sw.is_initialized():
+        sw.shutdown()
+
+
+def test_one_process_without_a_launcher_trains_like_plain_pytorch(no_launcher):
+    """Defaults (pure data parallelism) on a world of one; two SGD steps equal plain PyTorch's."""
+    config = sw.init()
+    assert config == parse_config({})
+    assert (sw.rank(), sw.size(), sw.dp_size(), sw.local_rank()) == (0, 1, 1, 0)
+    model = sw.DistributedModel(build("gpt2", freeze_key_bias=True))
+    optimizer = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+
+    @sw.step
+    def train_step(model, inputs, targets):
+        loss = loss_fn("gpt2", model, inputs, targets)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for inputs, targets in sw.data_loader(dataset("gpt2", 8), batch_size=4, shuffle=False):
+        optimizer.zero_grad()
+        losses.append(train_step(model, inputs, targets).reduce_mean().item())
+        optimizer.step()
+    want = train_reference("gpt2", "sgd", steps=2, global_batch=4)
+    assert losses == pytest.approx(want["losses"], rel=1e-6)
+    state = model.full_state_dict()
+    assert max(relative_error(state[k], v) for k, v in want["state"].items()) < 1e-6
+
+
+def test_no_argument_takes_the_config_shardwise_run_wrote(no_launcher, tmp_path, monkeypatch):
+    """`shardwise run` writes the validated config into the run directory and names it in the
+    environment; `sw.init()` with no argument reads it back unchanged."""
+    given = parse_config({"microbatches": 2, "gradient_clipping": 1.0, "zero_stage": 0})
+    path = RunDir(tmp_path).create().write_config(given)
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    assert sw.init() == given
+
+
+def test_second_init_and_use_before_init_are_explained(no_launcher):
+    with pytest.raises(RuntimeError, match=r"shardwise.DistributedModel needs shardwise.init\(\) first"):
+        sw.DistributedModel(torch.nn.Linear(2, 2))
+    sw.init({})
+    with pytest.raises(RuntimeError, match=r"already called in this process; call shardwise.shutdown\(\) first"):
+        sw.init({})
+
+
+def init_catching(configs: list[dict]) -> str:
+    """Rank r calls init with configs[r]; returns what it raised."""
+    try:
+        sw.init(configs[torch.distributed.get_rank()])
+    except Exception as err:  # noqa: BLE001 - the test looks at the type and message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_config_mismatch_is_an_error_on_every_rank():
+    """Rank 1 got another config: every rank raises the same error (the hard timeout catches a hang)."""
+    configs = [{"sharded_data_parallel_degree": 2}] * 4
+    configs[1] = {"sharded_data_parallel_degree": 2, "microbatches": 2}
+    errors = run_distributed(init_catching, 4, configs, timeout=60)
+    assert len(set(errors)) == 1
+    assert errors[0].startswith("ConfigMismatchError: shardwise config differs across ranks: ranks [1] disagree "
+                                "with rank 0; pass the same config (file and --set overrides) to every rank")
+
+
+def test_config_that_does_not_fit_the_world_fails_on_every_rank():
+    errors = run_distributed(init_catching, 4, [{"sharded_data_parallel_degree": 3}] * 4, timeout=60)
+    assert all(e.startswith(f"{ConfigError.__name__}: invalid shardwise config: sharded_data_parallel_degree=3: "
+                            "must divide the data-parallel degree 4") for e in errors)

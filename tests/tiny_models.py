@@ -1,0 +1,123 @@
+"""Tiny Hugging Face models, synthetic data and the plain single-process reference trainer.
+
+Shared by the distributed tests. Models are built from small configs (no
+downloads) with dropout off, so a step is a pure function of weights and batch.
+
+Attention key biases get a gradient that is exactly zero in exact arithmetic
+(softmax ignores a shift shared by all keys); in floating point it is rounding
+noise, which Adam normalises into full-size steps that differ between any two
+summation orders. `build(..., freeze_key_bias=True)` therefore makes them
+non-trainable (for GPT-2 that is the whole fused q/k/v bias), which also checks
+that frozen parameters pass through every sharding mode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+SEED = 1234
+SEQ = 8  # GPT-2 tokens per row
+VOCAB = 128
+IMAGE, CHANNELS, LABELS = 8, 3, 5  # ViT: 8×8 RGB images, 5 classes
+
+
+def tiny_gpt2(layers: int = 2, hidden: int = 32, heads: int = 2) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=VOCAB, n_positions=SEQ,
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def tiny_vit(layers: int = 2, hidden: int = 32, heads: int = 2) -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=IMAGE, patch_size=4, num_channels=CHANNELS, hidden_size=hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=2 * hidden,
+                       num_labels=LABELS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return ViTForImageClassification(config)
+
+
+BUILDERS = {"gpt2": tiny_gpt2, "vit": tiny_vit}
+
+
+def blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks (ViT's are `vit.layers` in transformers 5, `vit.encoder.layer` before)."""
+    if hasattr(model, "transformer"):
+        return model.transformer.h
+    vit = model.vit
+    return vit.layers if hasattr(vit, "layers") else vit.encoder.layer
+
+
+def freeze_key_biases(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if name.endswith(("attn.c_attn.bias", "attention.k_proj.bias", "attention.key.bias")):
+            param.requires_grad_(False)
+
+
+def build(kind: str, freeze_key_bias: bool = False, seed: int = SEED, **sizes) -> nn.Module:
+    """The same weights on every process for the same seed."""
+    torch.manual_seed(seed)
+    model = BUILDERS[kind](**sizes)
+    if freeze_key_bias:
+        freeze_key_biases(model)
+    return model
+
+
+def dataset(kind: str, rows: int, seed: int = SEED) -> TensorDataset:
+    """Synthetic (inputs, targets): random token rows for GPT-2, random images and labels for ViT."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "gpt2":
+        ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+        return TensorDataset(ids, ids.clone())
+    images = torch.randn(rows, CHANNELS, IMAGE, IMAGE, generator=g)
+    return TensorDataset(images, torch.randint(0, LABELS, (rows,), generator=g))
+
+
+def loss_fn(kind: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy for GPT-2, classification cross-entropy for ViT."""
+    logits = model(inputs)["logits"]
+    if kind == "gpt2":
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
+    return F.cross_entropy(logits, targets)
+
+
+# Adam's step g/(sqrt(v)+eps) turns the rounding noise of tiny gradients into noise in
+# the step; eps=1e-6 (not 1e-8) bounds that, so that one process summing its batch in
+# two halves instead of one agrees with itself to ~2e-6 on the ViT rather than ~1e-5.
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    return OPTIMIZERS[name](params)
+
+
+def train_reference(kind: str, optimizer: str, steps: int, global_batch: int, clip: float | None = None) -> dict:
+    """One plain PyTorch process, no shardwise: `steps` steps on consecutive global batches,
+    clipping the gradient norm to `clip` if given."""
+    model = build(kind, freeze_key_bias=True)
+    opt = make_optimizer(optimizer, model.parameters())
+    data = dataset(kind, steps * global_batch)
+    losses = []
+    for step in range(steps):
+        inputs, targets = data[step * global_batch:(step + 1) * global_batch]
+        opt.zero_grad()
+        loss = loss_fn(kind, model, inputs, targets)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-3) -> float:
+    """‖actual − expected‖ / max(‖expected‖, floor): tensors near zero are compared absolutely."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(floor)).item()
