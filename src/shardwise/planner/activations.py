@@ -2,10 +2,11 @@
 
 The count follows Korthikanti et al. ("Reducing Activation Recomputation in Large
 Transformer Models", 2022) but per saved tensor, so it also holds for fp32, for
-HF's Python activations (GELU-tanh saves five ffn-sized tensors) and for the
-attention kernel in use. Tensor parallelism (Megatron, no sequence parallelism)
-shards everything between the column- and row-parallel linears; norms, their
-inputs and residual dropout masks stay replicated.
+HF's Python activations (GELU-tanh saves five ffn-sized tensors), for the
+attention kernel in use and for the dtypes the runtime computes in (`Numerics`).
+Tensor parallelism (Megatron, no sequence parallelism) shards everything between
+the column- and row-parallel linears; norms, their inputs and residual dropout
+masks stay replicated.
 """
 
 from __future__ import annotations
@@ -32,15 +33,43 @@ def _mlp_tensors(spec: ModelSpec) -> int:
     return _ACTIVATION_SAVES[spec.activation] + (3 if spec.gated_mlp else 1)
 
 
+@dataclass(frozen=True)
+class Numerics:
+    """Bytes per element of what a step keeps, by kind (memory.py derives them from the config).
+
+    `compute` is the dtype the blocks run in. Under autocast the residual stream (each
+    norm's input) and the embedding stay fp32, and every weight a matmul reads is cast
+    and that copy kept for backward (`weight_copies` bytes per parameter). The loss
+    reads the logits in `logits` bytes and keeps an fp32 log-softmax.
+    """
+
+    compute: int
+    residual: int = 0      # 0: same as compute
+    logits: int = 0        # 0: same as compute
+    weight_copies: int = 0
+
+    @property
+    def residual_bytes(self) -> int:
+        return self.residual or self.compute
+
+    @property
+    def logits_bytes(self) -> int:
+        return self.logits or self.compute
+
+
 def _attention_bytes(spec: ModelSpec, seq: int, dtype_bytes: int, mask_bytes: int, kernels: Kernels) -> float:
     """Per token: Q, K, V, the attention output, and the kernel's own state."""
     head_dim = spec.hidden // spec.heads
-    qkv_out = (2 * spec.heads + 2 * spec.kv_heads) * head_dim * dtype_bytes
+    qkv = (spec.heads + 2 * spec.kv_heads) * head_dim
+    out = spec.heads * head_dim * dtype_bytes
     dropout = spec.attention_dropout > 0
     if kernels.flash_attention and (kernels.flash_attention_dropout or not dropout):
-        return qkv_out + spec.heads * _FP32              # + log-sum-exp per head
-    probs = spec.heads * seq                             # the math path keeps the s × s probabilities
-    return qkv_out + probs * dtype_bytes + (probs * (mask_bytes + dtype_bytes) if dropout else 0)
+        return qkv * dtype_bytes + out + spec.heads * _FP32     # + log-sum-exp per head
+    # The math path keeps the s × s probabilities; on CPU it computes (and keeps) them, Q, K and V in fp32.
+    inner = max(dtype_bytes, kernels.math_attention_bytes)
+    mask = max(mask_bytes, kernels.math_attention_bytes)
+    probs = spec.heads * seq
+    return qkv * inner + out + probs * inner + (probs * (mask + inner) if dropout else 0)
 
 
 @dataclass(frozen=True)
@@ -54,35 +83,37 @@ class BlockActivations:
         return self.replicated + self.sharded / tp
 
 
-def block_activations(spec: ModelSpec, seq: int, dtype_bytes: int, kernels: Kernels = Kernels()) -> BlockActivations:
+def block_activations(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kernels = Kernels()) -> BlockActivations:
     """What one block keeps per token without checkpointing."""
-    mask = kernels.dropout_mask_bytes or dtype_bytes
+    low = numerics.compute
+    mask = kernels.dropout_mask_bytes or low
     h = spec.hidden
-    # Two norms: input and output each (RMSNorm in HF also keeps its normalised fp32 product),
-    # plus their per-token statistics (mean and rstd, or rstd only).
+    # Two norms: input (the residual stream) and output each (RMSNorm in HF also keeps its
+    # normalised fp32 product), plus their per-token statistics (mean and rstd, or rstd only).
     norm_tensors, norm_stats = (3, 1) if spec.norm == "rmsnorm" else (2, 2)
-    replicated = 2 * (norm_tensors * h * dtype_bytes + norm_stats * _FP32)
+    replicated = 2 * (h * numerics.residual_bytes + (norm_tensors - 1) * h * low + norm_stats * _FP32)
     if spec.hidden_dropout > 0:
         replicated += 2 * h * mask                       # after attention and after the MLP
-    sharded = _attention_bytes(spec, seq, dtype_bytes, mask, kernels) + _mlp_tensors(spec) * spec.ffn * dtype_bytes
+    sharded = _attention_bytes(spec, seq, low, mask, kernels) + _mlp_tensors(spec) * spec.ffn * low
     return BlockActivations(replicated, sharded)
 
 
-def edge_activations(spec: ModelSpec, dtype_bytes: int, kernels: Kernels = Kernels()) -> tuple[float, float]:
+def edge_activations(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels()) -> tuple[float, float]:
     """(first stage, last stage) bytes per token outside the blocks, before tensor parallelism.
 
     The head keeps its logits and the fp32 log-softmax the loss computes from them;
     a vocabulary-parallel head shards both, so callers divide the logits part by tp.
     """
-    mask = kernels.dropout_mask_bytes or dtype_bytes
-    first = spec.embedding_saved_elements * dtype_bytes + (spec.hidden * mask if spec.hidden_dropout > 0 else 0)
-    last = spec.head_saved_elements * dtype_bytes
+    embedding = numerics.residual_bytes
+    mask = kernels.dropout_mask_bytes or embedding
+    first = spec.embedding_saved_elements * embedding + (spec.hidden * mask if spec.hidden_dropout > 0 else 0)
+    last = spec.head_saved_elements * numerics.compute
     return first, last
 
 
-def logits_bytes(spec: ModelSpec, dtype_bytes: int) -> float:
-    """Per token: logits in the compute dtype plus the loss's fp32 log-softmax."""
-    return spec.head_outputs * (dtype_bytes + _FP32)
+def logits_bytes(spec: ModelSpec, numerics: Numerics) -> float:
+    """Per token: the logits as the loss reads them plus the loss's fp32 log-softmax."""
+    return spec.head_outputs * (numerics.logits_bytes + _FP32)
 
 
 @dataclass(frozen=True)
@@ -91,7 +122,7 @@ class ActivationMemory:
     host: float = 0.0  # bytes offloaded to host memory
 
 
-def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, dtype_bytes: int, tp: int, pp: int,
+def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: Numerics, tp: int, pp: int,
                      in_flight: int, checkpointing: str, offload: bool = False, loading_horizon: int = 4,
                      kernels: Kernels = Kernels()) -> ActivationMemory:
     """Peak activation bytes on the busiest pipeline stage.
@@ -99,21 +130,27 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, dtype_bytes
     Stage 0 keeps `in_flight` microbatches (1F1B, capped by active_microbatches); the
     last stage keeps one. Checkpointing keeps each group's input and recomputes one
     group of one microbatch at a time; offload moves the kept inputs to the host
-    except the `loading_horizon` groups prefetched for backward.
+    except the `loading_horizon` groups prefetched for backward. Autocast's weight
+    copies count once (only pipelines overlap microbatches, and they do not
+    autocast), for the blocks only while their group is recomputed.
     """
     tokens = micro_batch * seq
-    block = block_activations(spec, seq, dtype_bytes, kernels).per_rank(tp) * tokens
+    block = block_activations(spec, seq, numerics, kernels).per_rank(tp) * tokens
     layers = spec.stage_layers(pp)
     group = CHECKPOINTING[checkpointing]
     stored, host, once = float(layers * block), 0.0, 0.0
+    copied_layers = layers
     if group:
         groups = math.ceil(layers / group)
-        group_input = spec.hidden * dtype_bytes * tokens
-        stored, once = groups * group_input, min(group, layers) * block   # recompute: one group at a time
+        group_input = spec.hidden * numerics.residual_bytes * tokens
+        copied_layers = min(group, layers)
+        stored, once = groups * group_input, copied_layers * block   # recompute: one group at a time
         if offload:
             stored, host, once = 0.0, stored, once + min(groups, loading_horizon) * group_input
-    first, last = edge_activations(spec, dtype_bytes, kernels)
-    first, last = first * tokens, (last + logits_bytes(spec, dtype_bytes) / tp) * tokens
+    edges = spec.stage_parameters(pp) - layers * spec.layer_parameters
+    once += numerics.weight_copies * (edges + copied_layers * spec.layer_parameters) / tp
+    first, last = edge_activations(spec, numerics, kernels)
+    first, last = first * tokens, (last + logits_bytes(spec, numerics) / tp) * tokens
     if pp == 1:
         return ActivationMemory(stored + first + last + once, host)
     busiest = max(in_flight * (stored + first), stored + last) + once

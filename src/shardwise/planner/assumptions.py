@@ -18,9 +18,8 @@ FRAGMENTATION_MARGIN = 0.10
 
 # Adam / AdamW keep two fp32 moments per parameter (exp_avg, exp_avg_sq).
 OPTIMIZER_STATE_BYTES = 8
-# Mixed precision keeps an fp32 master copy of every parameter for the update.
-MASTER_COPY_BYTES = 4
 
 # Gradient buckets of DDP and ZeRO-1 (PyTorch DDP's default bucket_cap_mb): one collective, and one
-# latency, per bucket. ZeRO-2/3 issue one collective per transformer block instead.
+# latency, per bucket. ZeRO-2/3 issue one collective per transformer block instead, and ZeRO-1's
+# parameter broadcast one per tensor.
 BUCKET_BYTES = 25 * 1024 ** 2

@@ -17,8 +17,9 @@ from ..topology import Layout
 from . import assumptions as A
 from .hardware import ClusterSpec
 
-# Steps (and volume multiples) of a ring: all-reduce = reduce-scatter + all-gather.
-_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+# Steps (and volume multiples) of a ring: all-reduce = reduce-scatter + all-gather. Broadcasts of
+# every rank's own tensors move, per rank, what an all-gather of them would.
+_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
 _STRIDE_ORDER = ("tp", "dp_shard", "dp_replicate", "pp")   # innermost first, as Layout places ranks
 
 
@@ -72,7 +73,7 @@ class LinkTime:
 
 
 def collective_time(kind: str, nbytes: float, shape: GroupShape, cluster: ClusterSpec, calls: int = 1) -> LinkTime:
-    """Per-rank time to all-reduce / all-gather / reduce-scatter `nbytes` (the full, unsharded
+    """Per-rank time to all-reduce / all-gather / reduce-scatter / broadcast `nbytes` (the full, unsharded
     buffer) in `calls` collectives of equal size: bandwidth is paid once, latency per call."""
     if shape.size == 1 or nbytes == 0:
         return LinkTime()

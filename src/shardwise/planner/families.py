@@ -37,23 +37,28 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 ALIASES = {"mistral": "llama"}
 
 
-def _linear(fan_in: int, fan_out: int, bias: bool = True) -> int:
-    return fan_in * fan_out + (fan_out if bias else 0)
+def _linear(fan_in: int, fan_out: int, bias: bool = True) -> tuple[int, ...]:
+    """A linear layer's tensors: weight, then bias."""
+    return (fan_in * fan_out,) + ((fan_out,) if bias else ())
+
+
+def _norm(h: int, bias: bool = True) -> tuple[int, ...]:
+    return (h, h) if bias else (h,)
 
 
 def _gpt2(c: Mapping[str, Any], name: str) -> ModelSpec:
     h, layers, vocab, positions = c["n_embd"], c["n_layer"], c["vocab_size"], c["n_positions"]
     f = c["n_inner"] or 4 * h
-    layer = 2 * 2 * h + _linear(h, 3 * h) + _linear(h, h) + _linear(h, f) + _linear(f, h)
+    layer = _norm(h) + _linear(h, 3 * h) + _linear(h, h) + _norm(h) + _linear(h, f) + _linear(f, h)
     tied = bool(c["tie_word_embeddings"])
-    embedding = (vocab + positions) * h
-    head = 2 * h + (0 if tied else vocab * h)
+    embedding = (vocab * h, positions * h)
+    head = _norm(h) + (() if tied else (vocab * h,))
     return ModelSpec(name=name, family="gpt2", hidden=h, layers=layers, heads=c["n_head"],
                      kv_heads=c["n_head"], ffn=f, vocab=vocab, seq_len=positions,
                      activation=c["activation_function"], gated_mlp=False, norm="layernorm",
                      attention_dropout=c["attn_pdrop"], hidden_dropout=c["resid_pdrop"],
-                     parameters=embedding + layers * layer + head, layer_parameters=layer,
-                     embedding_parameters=embedding, head_parameters=head, tied_head=tied,
+                     parameters=sum(embedding) + layers * sum(layer) + sum(head), layer_tensors=layer,
+                     embedding_tensors=embedding, head_tensors=head, tied_head=tied,
                      head_outputs=vocab, head_saved_elements=2 * h)
 
 
@@ -62,32 +67,33 @@ def _llama(c: Mapping[str, Any], name: str) -> ModelSpec:
     kv = c["num_key_value_heads"] or heads
     d = c["head_dim"] or h // heads
     f, qkv_bias, mlp_bias = c["intermediate_size"], c["attention_bias"], c["mlp_bias"]
-    attention = _linear(h, heads * d, qkv_bias) + 2 * _linear(h, kv * d, qkv_bias) + _linear(heads * d, h, qkv_bias)
-    layer = 2 * h + attention + 2 * _linear(h, f, mlp_bias) + _linear(f, h, mlp_bias)
+    attention = (_linear(h, heads * d, qkv_bias) + 2 * _linear(h, kv * d, qkv_bias)
+                 + _linear(heads * d, h, qkv_bias))
+    layer = _norm(h, False) + attention + _norm(h, False) + 2 * _linear(h, f, mlp_bias) + _linear(f, h, mlp_bias)
     tied = bool(c["tie_word_embeddings"])
-    head = h + (0 if tied else vocab * h)
+    head = _norm(h, False) + (() if tied else (vocab * h,))
     return ModelSpec(name=name, family="llama", hidden=h, layers=layers, heads=heads, kv_heads=kv,
                      ffn=f, vocab=vocab, seq_len=c["max_position_embeddings"], activation=c["hidden_act"],
                      gated_mlp=True, norm="rmsnorm", attention_dropout=c["attention_dropout"],
-                     hidden_dropout=0.0, parameters=vocab * h + layers * layer + head,
-                     layer_parameters=layer, embedding_parameters=vocab * h, head_parameters=head,
+                     hidden_dropout=0.0, parameters=vocab * h + layers * sum(layer) + sum(head),
+                     layer_tensors=layer, embedding_tensors=(vocab * h,), head_tensors=head,
                      tied_head=tied, head_outputs=vocab, head_saved_elements=3 * h)
 
 
 def _bert(c: Mapping[str, Any], name: str) -> ModelSpec:
     h, layers, vocab, f = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
     positions = c["max_position_embeddings"]
-    embedding = (vocab + positions + c["type_vocab_size"]) * h + 2 * h
-    layer = 4 * _linear(h, h) + 2 * h + _linear(h, f) + _linear(f, h) + 2 * h
+    embedding = (vocab * h, positions * h, c["type_vocab_size"] * h) + _norm(h)
+    layer = 4 * _linear(h, h) + _norm(h) + _linear(h, f) + _linear(f, h) + _norm(h)
     tied = bool(c["tie_word_embeddings"])
     # BertForMaskedLM's prediction head: dense + LayerNorm transform, then a decoder with its own bias.
-    head = _linear(h, h) + 2 * h + vocab + (0 if tied else vocab * h)
+    head = _linear(h, h) + _norm(h) + (vocab,) + (() if tied else (vocab * h,))
     return ModelSpec(name=name, family="bert", hidden=h, layers=layers, heads=c["num_attention_heads"],
                      kv_heads=c["num_attention_heads"], ffn=f, vocab=vocab, seq_len=positions,
                      activation=c["hidden_act"], gated_mlp=False, norm="layernorm",
                      attention_dropout=c["attention_probs_dropout_prob"], hidden_dropout=c["hidden_dropout_prob"],
-                     parameters=embedding + layers * layer + head, layer_parameters=layer,
-                     embedding_parameters=embedding, head_parameters=head, tied_head=tied, head_outputs=vocab,
+                     parameters=sum(embedding) + layers * sum(layer) + sum(head), layer_tensors=layer,
+                     embedding_tensors=embedding, head_tensors=head, tied_head=tied, head_outputs=vocab,
                      embedding_saved_elements=2 * h, head_saved_elements=4 * h)
 
 
@@ -96,16 +102,17 @@ def _vit(c: Mapping[str, Any], name: str) -> ModelSpec:
     patch, channels = c["patch_size"], c["num_channels"]
     patches = (c["image_size"] // patch) ** 2
     labels = len(c["id2label"]) if c.get("id2label") else c["num_labels"]
-    embedding = h + (patches + 1) * h + _linear(channels * patch * patch, h)
-    layer = 2 * 2 * h + 3 * _linear(h, h, c["qkv_bias"]) + _linear(h, h) + _linear(h, f) + _linear(f, h)
-    head = 2 * h + _linear(h, labels)
+    embedding = (h, (patches + 1) * h) + _linear(channels * patch * patch, h)
+    layer = (_norm(h) + 3 * _linear(h, h, c["qkv_bias"]) + _linear(h, h) + _norm(h)
+             + _linear(h, f) + _linear(f, h))
+    head = _norm(h) + _linear(h, labels)
     pixels = channels * patch * patch * patches / (patches + 1)  # per token, the CLS token carrying none
     return ModelSpec(name=name, family="vit", hidden=h, layers=layers, heads=c["num_attention_heads"],
                      kv_heads=c["num_attention_heads"], ffn=f, vocab=0, seq_len=patches + 1,
                      activation=c["hidden_act"], gated_mlp=False, norm="layernorm",
                      attention_dropout=c["attention_probs_dropout_prob"], hidden_dropout=c["hidden_dropout_prob"],
-                     parameters=embedding + layers * layer + head, layer_parameters=layer,
-                     embedding_parameters=embedding, head_parameters=head, tied_head=False, head_outputs=0,
+                     parameters=sum(embedding) + layers * sum(layer) + sum(head), layer_tensors=layer,
+                     embedding_tensors=embedding, head_tensors=head, tied_head=False, head_outputs=0,
                      input_elements_per_token=pixels, embedding_saved_elements=pixels, head_saved_elements=2 * h)
 
 

@@ -25,12 +25,14 @@ class Kernels:
 
     GPUs keep dropout masks as bool (1 byte) and run flash attention with dropout;
     PyTorch's CPU kernels keep masks in the activation dtype and fall back to the
-    math attention path (which keeps the s × s probabilities) when attention dropout is on.
+    math attention path (which keeps the s × s probabilities) when attention dropout
+    is on, and that path computes bf16/fp16 inputs in fp32.
     """
 
     dropout_mask_bytes: Optional[int] = 1   # None: same as the activation dtype
     flash_attention: bool = True
     flash_attention_dropout: bool = True
+    math_attention_bytes: int = 0           # least bytes per element the math attention path keeps
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,8 @@ def local_node(processes: Optional[int] = None) -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = DeviceSpec("CPU", ram / processes, {"fp32": _CPU_CORE_FLOPS, "bf16": _CPU_CORE_FLOPS},
                      20 * GB / processes, 20 * GB / processes,
-                     kernels=Kernels(dropout_mask_bytes=None, flash_attention=True, flash_attention_dropout=False))
+                     kernels=Kernels(dropout_mask_bytes=None, flash_attention=True, flash_attention_dropout=False,
+                                     math_attention_bytes=4))
     return dict(devices_per_node=processes, device=cpu, intra_node_bandwidth=5 * GB,
                 intra_node_latency=50e-6, inter_node_bandwidth=1.25 * GB, inter_node_latency=100e-6)
 

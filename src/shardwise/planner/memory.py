@@ -1,10 +1,10 @@
 """Per-rank memory by category for one configuration: what must fit in device memory.
 
-Model states follow the ZeRO paper's accounting and reproduce seed 003 exactly for
-a = parameters on the rank and n = the sharding degree:
-fp32 DDP 4a + 4a + 8a (+ 4a gradient buckets = 20a); mixed precision 2a + 2a + 8a
-+ 4a fp32 master (+ 2a buckets = 18a); ZeRO-1 shards optimizer states and master
-copies, ZeRO-2 also gradients, ZeRO-3 also parameters (16a/n). With MiCS, n is the
+Model states follow the ZeRO paper's accounting for what shardwise runs
+(`wrapping.py`): with a = parameters on the rank and n = the sharding degree,
+fp32 parameters 4a, gradients 4a and Adam moments 8a, DDP's gradient buckets 4a
+more (fp32 DDP = 20a, seed 003); ZeRO-1 shards the moments (8a/n on average,
+more on the busiest rank), ZeRO-2/3 shard all three (16a/n). With MiCS, n is the
 partition-group size; ZeRO-1 shards over every data-parallel rank.
 """
 
@@ -19,23 +19,18 @@ from . import assumptions as A
 from .activations import rank_activations
 from .hardware import DeviceSpec, Kernels
 from .spec import ModelSpec
-
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def dtype_bytes(config: ShardwiseConfig) -> int:
-    """Bytes per element of parameters, gradients and activations in compute precision."""
-    return _DTYPE_BYTES[config.dtype_name]
+from .wrapping import (GRAD_BYTES, PARAM_BYTES, comm_buffer_bytes, gathered_bytes, numerics, optimizer_share,
+                       shard_degrees)
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes per rank. `offloaded` lives in host memory and is not part of `total`."""
 
-    parameters: float
+    parameters: float       # fp32, as stored (sharded by ZeRO-2/3): the master copy in mixed precision
     gradients: float
     optimizer: float
-    master_params: float
+    gathered_params: float  # FSDP2's unsharded compute copies at the peak
     activations: float
     comm_buffers: float
     runtime: float
@@ -44,54 +39,31 @@ class MemoryBreakdown:
 
     @property
     def model_states(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.master_params
+        return self.parameters + self.gradients + self.optimizer
 
     @property
     def total(self) -> float:
         return sum(getattr(self, f.name) for f in fields(self) if f.name != "offloaded")
 
     def summary(self) -> dict[str, float]:
-        """The categories reports use: optimizer includes fp32 master copies; other is buffers,
+        """The categories reports use: parameters include the gathered copies; other is buffers,
         runtime reserve and the fragmentation margin."""
-        return {"parameters": self.parameters, "gradients": self.gradients,
-                "optimizer": self.optimizer + self.master_params, "activations": self.activations,
+        return {"parameters": self.parameters + self.gathered_params, "gradients": self.gradients,
+                "optimizer": self.optimizer, "activations": self.activations,
                 "other": self.comm_buffers + self.runtime + self.fragmentation, "total": self.total}
 
     def detail(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def shard_degrees(config: ShardwiseConfig, layout: Layout) -> tuple[int, int, int]:
-    """How many ways (parameters, gradients, optimizer states) are split across data-parallel ranks."""
-    stage = config.effective_zero_stage
-    optimizer = layout.dp if stage == 1 else layout.dp_shard if stage >= 2 else 1
-    return (layout.dp_shard if stage == 3 else 1, layout.dp_shard if stage >= 2 else 1, optimizer)
-
-
-def model_state_bytes(parameters: float, config: ShardwiseConfig, layout: Layout) -> dict[str, float]:
-    """Parameters, gradients, optimizer states and master copies for `parameters` on one rank."""
-    low = dtype_bytes(config)
-    mixed = config.dtype_name != "fp32"
+def model_state_bytes(parameters: float, config: ShardwiseConfig, layout: Layout,
+                      optimizer_fraction: Optional[float] = None) -> dict[str, float]:
+    """Parameters, gradients and optimizer states for `parameters` on one rank; the busiest
+    rank's `optimizer_fraction` of the moments (default: an even split)."""
     params_n, grads_n, optim_n = shard_degrees(config, layout)
-    return {"parameters": low * parameters / params_n, "gradients": low * parameters / grads_n,
-            "optimizer": A.OPTIMIZER_STATE_BYTES * parameters / optim_n,
-            "master_params": A.MASTER_COPY_BYTES * parameters / optim_n if mixed else 0.0}
-
-
-def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int) -> float:
-    """Buffers collectives need: DDP's bucket copy of every gradient; ZeRO's per-block
-    reduce-scatter buffer and (stage 3) two gathered blocks; pipeline send/receive buffers."""
-    low = dtype_bytes(config)
-    rank_params = spec.stage_parameters(layout.pp) / layout.tp
-    block = spec.layer_parameters / layout.tp * low
-    stage = config.effective_zero_stage
-    if stage == 0:
-        buffers = low * rank_params if layout.dp > 1 else 0.0
-    else:
-        buffers = block + (2 * block if stage == 3 else 0.0)
-    if layout.pp > 1:
-        buffers += 2 * micro_batch * seq * spec.hidden * low
-    return buffers
+    share = 1 / optim_n if optimizer_fraction is None else optimizer_fraction
+    return {"parameters": PARAM_BYTES * parameters / params_n, "gradients": GRAD_BYTES * parameters / grads_n,
+            "optimizer": A.OPTIMIZER_STATE_BYTES * parameters * share}
 
 
 def in_flight_microbatches(config: ShardwiseConfig, layout: Layout) -> int:
@@ -109,13 +81,15 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     `device` supplies kernel facts and the runtime reserve; without it, GPU kernels and no reserve.
     """
     kernels = device.kernels if device else Kernels()
-    states = model_state_bytes(spec.stage_parameters(layout.pp) / layout.tp, config, layout)
-    acts = rank_activations(spec, seq=seq, micro_batch=micro_batch, dtype_bytes=dtype_bytes(config),
+    states = model_state_bytes(spec.stage_parameters(layout.pp) / layout.tp, config, layout,
+                               optimizer_share(spec, config, layout))
+    gathered = gathered_bytes(spec, config, layout)
+    acts = rank_activations(spec, seq=seq, micro_batch=micro_batch, numerics=numerics(config, layout),
                             tp=layout.tp, pp=layout.pp, in_flight=in_flight_microbatches(config, layout),
                             checkpointing=checkpointing, offload=config.offload_activations,
                             loading_horizon=config.activation_loading_horizon, kernels=kernels)
     buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq)
-    accounted = sum(states.values()) + acts.device + buffers
-    return MemoryBreakdown(**states, activations=acts.device, comm_buffers=buffers,
+    accounted = sum(states.values()) + gathered + acts.device + buffers
+    return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0,
                            fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host)

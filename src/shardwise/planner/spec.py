@@ -15,9 +15,10 @@ from dataclasses import dataclass
 class ModelSpec:
     """A transformer of `layers` identical blocks plus an embedding and an output head.
 
-    `embedding_parameters` and `head_parameters` are the parameters outside the blocks
-    that live on the first and on the last pipeline stage; a tied LM head counts once in
-    `parameters` but is held by both end stages when the model is pipelined.
+    Parameters are listed tensor by tensor (element counts), because ZeRO-1 hands
+    whole tensors to ranks. `embedding_tensors` and `head_tensors` live outside the
+    blocks, on the first and on the last pipeline stage; a tied LM head counts once
+    in `parameters` but is held by both end stages when the model is pipelined.
     """
 
     name: str
@@ -35,14 +36,26 @@ class ModelSpec:
     attention_dropout: float
     hidden_dropout: float
     parameters: int          # total, as the built model counts them
-    layer_parameters: int    # one transformer block
-    embedding_parameters: int
-    head_parameters: int     # output head not shared with the embedding
+    layer_tensors: tuple[int, ...]      # one transformer block
+    embedding_tensors: tuple[int, ...]
+    head_tensors: tuple[int, ...]       # final norm and output head not shared with the embedding
     tied_head: bool          # the head reuses the token embedding matrix
     head_outputs: int        # logits per token (vocab for LM heads; 0 when only one token is classified)
     input_elements_per_token: float = 0.0  # model input a token carries (ViT: pixels of its patch)
     embedding_saved_elements: float = 0.0  # kept per token by the embedding for backward (ViT pixels, BERT's LayerNorm)
     head_saved_elements: float = 0.0       # kept per token by the final norm / head transform, before the logits
+
+    @property
+    def layer_parameters(self) -> int:
+        return sum(self.layer_tensors)
+
+    @property
+    def embedding_parameters(self) -> int:
+        return sum(self.embedding_tensors)
+
+    @property
+    def head_parameters(self) -> int:
+        return sum(self.head_tensors)
 
     @property
     def head_matmul_parameters(self) -> int:
@@ -77,8 +90,14 @@ class ModelSpec:
         With one stage this is the whole model. Otherwise the first stage holds the
         embedding, the last the head (and its own copy of a tied embedding).
         """
-        blocks = self.stage_layers(pp) * self.layer_parameters
         if pp == 1:
             return self.parameters
-        last_head = self.head_parameters + (self.vocab * self.hidden if self.tied_head else 0)
-        return blocks + max(self.embedding_parameters, last_head)
+        return sum(self.stage_tensors(pp))
+
+    def stage_tensors(self, pp: int) -> tuple[int, ...]:
+        """Parameter tensors of the largest pipeline stage, as `stage_parameters` counts them."""
+        blocks = self.layer_tensors * self.stage_layers(pp)
+        if pp == 1:
+            return self.embedding_tensors + blocks + self.head_tensors
+        last = self.head_tensors + ((self.vocab * self.hidden,) if self.tied_head else ())
+        return blocks + max(self.embedding_tensors, last, key=sum)

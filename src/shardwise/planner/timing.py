@@ -5,8 +5,8 @@ backward (2F, plus F again for recomputed blocks) at the achievable FLOP/s. ZeRO
 gathers and gradient reduction run per block while compute proceeds, so each
 phase lasts max(compute, comm) plus the share overlap cannot hide plus one
 block's worth that cannot overlap at all (the first gather, the last reduce).
-Tensor-parallel all-reduces sit on the critical path; so do the gathers after
-the optimizer step (ZeRO-1/2), pipeline fill/drain sends and the update itself.
+Tensor-parallel all-reduces sit on the critical path; so do ZeRO-1's parameter
+broadcasts after the optimizer step, pipeline fill/drain sends and the update itself.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from . import assumptions as A
 from .activations import CHECKPOINTING
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .hardware import ClusterSpec
-from .memory import dtype_bytes, in_flight_microbatches, shard_degrees
+from .memory import in_flight_microbatches
 from .spec import ModelSpec
+from .wrapping import GRAD_BYTES, PARAM_BYTES, compute_bytes, optimizer_share
 
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
@@ -94,22 +95,28 @@ class _Traffic:
         return t
 
 
-def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, nbytes: float) -> None:
-    """Which collectives each ZeRO stage issues, on which group, and when (seed 000's MiCS included)."""
+def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, spec: ModelSpec) -> None:
+    """Which collectives each ZeRO stage issues, on which group, and when (seed 000's MiCS included).
+
+    As `wrapping.py` describes the runtime: DDP all-reduces fp32 gradients (ZeRO-1 too, then
+    each rank broadcasts the parameters it updated, one tensor at a time); FSDP2 gathers the
+    compute copies every forward (ZeRO-3 again in backward) and reduce-scatters fp32 gradients.
+    """
     stage = config.effective_zero_stage
-    if stage == 0:
-        traffic.add("sync", "all_reduce", nbytes, _DP_AXES, "gradient")
-    elif stage == 1:
-        traffic.add("sync", "reduce_scatter", nbytes, _DP_AXES, "gradient")
-        traffic.add("after_step", "all_gather", nbytes, _DP_AXES, "parameter")
-    else:
-        if stage == 3:
-            traffic.add("forward", "all_gather", nbytes, ("dp_shard",), "parameter")
-            traffic.add("backward", "all_gather", nbytes, ("dp_shard",), "parameter")
-        else:
-            traffic.add("after_step", "all_gather", nbytes, ("dp_shard",), "parameter")
-        traffic.add("backward", "reduce_scatter", nbytes, ("dp_shard",), "gradient")
-        traffic.add("sync", "all_reduce", nbytes / layout.dp_shard, ("dp_replicate",), "gradient shard")
+    rank_params = spec.stage_parameters(layout.pp) / layout.tp
+    grads = GRAD_BYTES * rank_params
+    if stage <= 1:
+        traffic.add("sync", "all_reduce", grads, _DP_AXES, "gradient")
+        if stage == 1:
+            traffic.add("after_step", "broadcast", PARAM_BYTES * rank_params, _DP_AXES, "parameter",
+                        len(spec.stage_tensors(layout.pp)))
+        return
+    gathered = compute_bytes(config) * rank_params
+    traffic.add("forward", "all_gather", gathered, ("dp_shard",), "parameter")
+    if stage == 3:
+        traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter")
+    traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), "gradient")
+    traffic.add("sync", "all_reduce", grads / layout.dp_shard, ("dp_replicate",), "gradient shard")
 
 
 def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float) -> float:
@@ -125,12 +132,12 @@ def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float) ->
     return 2 * (layout.pp - 1) * send.serial
 
 
-def _optimizer_seconds(config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec, rank_params: float) -> float:
-    """Adam's update is memory-bound: read and write moments, master copy and parameter, read the gradient."""
-    _, _, optimizer_shards = shard_degrees(config, layout)
-    low = dtype_bytes(config)
-    master = A.MASTER_COPY_BYTES if config.dtype_name != "fp32" else 0
-    touched = rank_params / optimizer_shards * (2 * (A.OPTIMIZER_STATE_BYTES + master + low) + low)
+def _optimizer_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
+                       rank_params: float) -> float:
+    """Adam's update is memory-bound: read and write moments and the fp32 parameter, read the gradient;
+    the busiest rank's share of them."""
+    updated = rank_params * optimizer_share(spec, config, layout)
+    touched = updated * (2 * (A.OPTIMIZER_STATE_BYTES + PARAM_BYTES) + GRAD_BYTES)
     return touched / cluster.device.memory_bandwidth
 
 
@@ -154,12 +161,11 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     blocks_fwd = tokens * spec.forward_flops_per_token(seq, layers) / tp / rate
     forward = blocks_fwd + tokens * spec.edge_flops_per_token() / tp / rate
     recompute = blocks_fwd if CHECKPOINTING[checkpointing] else 0.0
-    activation = tokens * spec.hidden * dtype_bytes(config)
+    activation = tokens * spec.hidden * compute_bytes(config)
     traffic = _Traffic(cluster, layout, m, layers)
     tp_calls = layers * (4 + (2 if recompute else 0))   # Megatron: 2 all-reduces forward, 2 backward
     tp_time = traffic.add("critical", "all_reduce", tp_calls * activation, ("tp",), "activation", tp_calls).serial
-    rank_params = spec.stage_parameters(pp) / tp
-    _data_parallel_traffic(traffic, config, layout, rank_params * dtype_bytes(config))
+    _data_parallel_traffic(traffic, config, layout, spec)
 
     busy = 3 * forward + recompute + tp_time
     fwd_phase = _phase(forward, traffic.forward, layers)
@@ -169,7 +175,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     time = StepTime(compute=3 * forward * m, recompute=recompute * m, tensor_parallel=tp_time * m,
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + traffic.after_step.serial,
                     pipeline_bubble=(slots - m) * t_mb, pipeline_p2p=_pipeline_p2p(traffic, cluster, activation),
-                    optimizer=_optimizer_seconds(config, layout, cluster, rank_params),
+                    optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
                     offload=_offload_seconds(config, cluster, checkpointing, layers, activation, m * busy))
     tokens_per_s = micro_batch * m * layout.dp * seq / time.total
     mfu = tokens_per_s * spec.flops_per_token(seq) / (cluster.world_size * peak)

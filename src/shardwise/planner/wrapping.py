@@ -1,0 +1,110 @@
+"""What shardwise's data-parallel wrapping keeps on a rank, so predictions follow the runtime.
+
+Measured with MemTracker on the runtime itself (tests/test_planner_measured.py):
+
+- ZeRO-0/1 run under torch DDP. Mixed precision is autocast there: parameters,
+  gradients and DDP's gradient buckets stay fp32, the residual stream too, and
+  autocast keeps a low-precision copy of every weight a matmul reads for backward.
+  With tensor or pipeline parallelism FSDP2's `replicate` replaces DDP and casts
+  by its policy.
+- ZeRO-1 (parallel/optimizer_state.py) deals whole tensors, largest first, to the
+  least-loaded rank, so the busiest rank holds more than 1/n of the optimizer
+  state, and broadcasts each updated tensor from its owner after the step.
+- ZeRO-2/3 and MiCS run FSDP2 (`fully_shard` per block, then the root). Parameters
+  are stored sharded in fp32 (they are the master copy) and gathered in the compute
+  dtype: ZeRO-2 keeps every block gathered from its forward to its backward, ZeRO-3
+  only the root (embedding, head) and the current and prefetched block. Gradients
+  are reduce-scattered and kept in fp32, and the root returns fp32 outputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from functools import lru_cache
+
+from ..config.schema import ShardwiseConfig
+from ..topology import Layout
+from .activations import Numerics
+from .spec import ModelSpec
+
+PARAM_BYTES = 4  # parameters are fp32 in every precision
+GRAD_BYTES = 4   # so are gradients: DDP's of fp32 parameters, FSDP2's reduced in fp32
+_LOW_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def compute_bytes(config: ShardwiseConfig) -> int:
+    """Bytes per element of activations and gathered parameters."""
+    return _LOW_BYTES[config.dtype_name]
+
+
+def fully_sharded(config: ShardwiseConfig) -> bool:
+    return config.effective_zero_stage >= 2
+
+
+def replicated_by_ddp(config: ShardwiseConfig, layout: Layout) -> bool:
+    """ZeRO-0/1 without tensor or pipeline parallelism: torch DDP (else FSDP2's `replicate` or `fully_shard`)."""
+    return not fully_sharded(config) and layout.tp == 1 and layout.pp == 1
+
+
+def autocast(config: ShardwiseConfig, layout: Layout) -> bool:
+    """Mixed precision by autocast under DDP; FSDP2 casts by its policy."""
+    return config.dtype_name != "fp32" and replicated_by_ddp(config, layout)
+
+
+def numerics(config: ShardwiseConfig, layout: Layout) -> Numerics:
+    low = compute_bytes(config)
+    if low == PARAM_BYTES:
+        return Numerics(low)
+    if autocast(config, layout):
+        return Numerics(low, residual=PARAM_BYTES, weight_copies=low)
+    return Numerics(low, logits=PARAM_BYTES)
+
+
+def shard_degrees(config: ShardwiseConfig, layout: Layout) -> tuple[int, int, int]:
+    """How many ways (parameters, gradients, optimizer states) are split across data-parallel ranks."""
+    if fully_sharded(config):
+        return layout.dp_shard, layout.dp_shard, layout.dp_shard
+    return 1, 1, layout.dp if config.effective_zero_stage == 1 else 1
+
+
+@lru_cache(maxsize=1024)
+def _busiest_share(sizes: tuple[float, ...], ranks: int) -> float:
+    """Share of the total the busiest rank gets when tensors go, largest first, to the least-loaded rank."""
+    loads = [0.0] * ranks
+    for size in sorted(sizes, reverse=True):
+        heapq.heapreplace(loads, loads[0] + size)
+    return max(loads) / sum(sizes)
+
+
+def optimizer_share(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
+    """Fraction of the rank's optimizer state the busiest data-parallel rank holds."""
+    shards = shard_degrees(config, layout)[2]
+    if config.effective_zero_stage != 1 or shards == 1:
+        return 1 / shards
+    return _busiest_share(spec.stage_tensors(layout.pp), shards)
+
+
+def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
+    """Unsharded compute copies of parameters FSDP2 holds at the peak (0 under DDP)."""
+    if replicated_by_ddp(config, layout):
+        return 0.0
+    low = compute_bytes(config)
+    rank_params = spec.stage_parameters(layout.pp) / layout.tp
+    if config.effective_zero_stage != 3:
+        return low * rank_params
+    blocks = spec.stage_layers(layout.pp) * spec.layer_parameters / layout.tp
+    in_flight = min(2, spec.stage_layers(layout.pp)) * spec.layer_parameters / layout.tp
+    return low * (rank_params - blocks + in_flight)
+
+
+def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int) -> float:
+    """DDP's fp32 bucket copy of every gradient; FSDP2's unsharded block gradients and their
+    fp32 reduce-scatter input; pipeline send/receive buffers."""
+    low = compute_bytes(config)
+    if fully_sharded(config):
+        buffers = spec.layer_parameters / layout.tp * (low + GRAD_BYTES)
+    else:
+        buffers = GRAD_BYTES * spec.stage_parameters(layout.pp) / layout.tp if layout.dp > 1 else 0.0
+    if layout.pp > 1:
+        buffers += 2 * micro_batch * seq * spec.hidden * low
+    return buffers
