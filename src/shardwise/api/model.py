@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ..parallel import precision
 from ..parallel.clipping import clip_grad_norm_
 from ..parallel.compose import parallelize
+from ..parallel.pipeline import PipelineParallel
 from ..runtime.state import current
 
 
@@ -24,7 +25,8 @@ class DistributedModel(nn.Module):
             raise TypeError(f"DistributedModel expects a torch.nn.Module, got {type(module).__name__}")
         runtime = current("shardwise.DistributedModel")
         self._runtime = runtime
-        module.to(runtime.device)
+        if runtime.config.pipeline_parallel_degree == 1:  # a pipeline stage moves only its own part
+            module.to(runtime.device)
         self._parallel = parallelize(module, runtime.mesh, runtime.config)
         self.module = self._parallel.module
         self._autocast = not isinstance(self.module, FSDPModule)  # FSDP2 modules cast by their own policy
@@ -45,6 +47,10 @@ class DistributedModel(nn.Module):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`, averaged over the microbatches of the current @step (and loss-scaled in fp16)."""
+        self.scaled_loss(loss).backward()
+
+    def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` as backward takes it: divided by the @step's microbatches, loss-scaled in fp16."""
         if loss.dim() != 0:
             raise ValueError(f"model.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it first "
                              "(e.g. loss.mean())")
@@ -53,10 +59,16 @@ class DistributedModel(nn.Module):
             loss = loss / microbatch[1]
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale(loss)
-        loss.backward()
+        return loss
+
+    def run_pipeline(self, fn: Any, pieces: list[tuple[tuple, dict]]) -> list[Any]:
+        """Run a @step function's microbatches through the pipeline (pipeline_parallel_degree > 1)."""
+        return self._parallel.run_step(self, fn, pieces)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every shard of every gradient; returns the norm before clipping."""
+        if isinstance(self._parallel, PipelineParallel):  # counts the other stages' gradients too
+            return self._parallel.clip_grad_norm_(max_norm)
         return clip_grad_norm_(self.parameters(), max_norm)
 
     # Names as the user's module has them (no "module." prefix from the wrapper).

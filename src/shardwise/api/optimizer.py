@@ -38,6 +38,7 @@ class DistributedOptimizer:
         clip = self._runtime.config.gradient_clipping
         if scaler is not None:
             scaler.unscale_(self.optimizer)
+            self._unscale_unowned(scaler)
         if clip is not None:
             self._model.clip_grad_norm_(clip)
         if scaler is None:
@@ -48,6 +49,18 @@ class DistributedOptimizer:
         if self._sharding is not None:
             self._sharding.broadcast_parameters()
         return result
+
+    @torch.no_grad()
+    def _unscale_unowned(self, scaler: Any) -> None:
+        """With ZeRO-1 the scaler only unscales this rank's share; clipping takes the norm over every
+        gradient, so unscale the others too (an inf among them is found by its owner and skips the step)."""
+        if self._sharding is None:
+            return
+        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        inverse = 1.0 / scaler.get_scale()
+        for param in self._sharding.owner_of:
+            if id(param) not in owned and param.grad is not None:
+                param.grad.mul_(inverse)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -24,12 +24,20 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
 
 
 class StepOutput:
-    """The per-microbatch return values of a @step function, with SMP's reductions."""
+    """The per-microbatch return values of a @step function, with SMP's reductions.
 
-    def __init__(self, outputs: list[Any]):
+    Under pipeline parallelism only the ranks of the last stage run the loss, so
+    only they hold the results: elsewhere `holds_loss` is False, the output is
+    empty and every reduction returns None.
+    """
+
+    def __init__(self, outputs: list[Any], holds_loss: bool = True):
         self.outputs = outputs
+        self.holds_loss = holds_loss
 
     def _combine(self, fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
+        if not self.holds_loss:
+            return None
         flat = [pytree.tree_flatten(o) for o in self.outputs]
         spec = flat[0][1]
         leaves = [fn([_plain(f[0][i]) for f in flat]) for i in range(len(flat[0][0]))]
@@ -81,6 +89,9 @@ def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:
             raise RuntimeError("@step needs a sw.DistributedModel; create it before calling the step function")
         parts = runtime.config.microbatches
         pieces = _split((args, kwargs), parts)
+        if runtime.config.pipeline_parallel_degree > 1:
+            outputs = runtime.model.run_pipeline(fn, pieces)
+            return StepOutput(outputs, holds_loss=bool(outputs))
         outputs = []
         try:
             for index, (mb_args, mb_kwargs) in enumerate(pieces):

@@ -9,7 +9,7 @@ is sharded on — one small collective per axis, not one per parameter.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,8 @@ def _local_square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in local]).sum()
 
 
-def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+def global_grad_norm(parameters: Iterable[torch.Tensor], across: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """`across`: ranks holding other parameters (pipeline stages), whose squares are summed in too."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
@@ -36,13 +37,20 @@ def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
                 if isinstance(placement, Shard):
                     dist.all_reduce(squares, group=mesh.get_group(axis))
         total = total.to(squares.device) + squares
+    if across is not None:
+        dist.all_reduce(total, group=across)
     return total.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before clipping."""
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, across: Optional[dist.ProcessGroup] = None,
+                    counted: Optional[Callable[[torch.Tensor], bool]] = None) -> torch.Tensor:
+    """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before clipping.
+
+    `counted` picks the parameters the norm is taken over (all by default; copies of
+    one tied weight count once); every parameter is scaled.
+    """
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params)
+    norm = global_grad_norm([p for p in params if counted is None or counted(p)], across)
     coef = min(1.0, max_norm / (float(norm) + 1e-6))
     if coef < 1.0:
         for p in params:

@@ -2,7 +2,9 @@
 
 Order: every rank starts from rank 0's weights → tensor parallel (layers split
 over the `tp` axis, the batch gathered inside each TP group) → data parallel /
-sharding over the other axes (FSDP2 composes with TP's DTensors). Activation
+sharding over the other axes (FSDP2 composes with TP's DTensors). With pipeline
+parallelism the model is first cut into stages, and each stage then gets tensor
+parallel → data parallel in the same order (pipeline/apply.py). Activation
 checkpointing is applied afterwards by the user's `set_activation_checkpointing`
 calls, which works on a split and sharded model (see checkpointing.py).
 """
@@ -15,6 +17,7 @@ from torch import nn
 
 from ..config.schema import ShardwiseConfig
 from ..runtime.mesh import ParallelMesh
+from .pipeline import PipelineParallel, apply_pipeline
 from .sharding import DataParallel, apply_data_parallel
 from .tensor import TensorParallelBatch, apply_tensor_parallel
 
@@ -25,11 +28,14 @@ def broadcast_from_rank0(module: nn.Module) -> None:
     if dist.get_world_size() == 1:
         return
     for tensor in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(tensor.data, src=0)
+        if not tensor.is_meta:  # delayed initialisation gives meta tensors equal values without it
+            dist.broadcast(tensor.data, src=0)
 
 
-def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig) -> DataParallel:
+def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig) -> DataParallel | PipelineParallel:
     broadcast_from_rank0(module)
+    if config.pipeline_parallel_degree > 1:  # cuts the model into stages, then TP and DP per stage
+        return apply_pipeline(module, mesh, config)
     if config.tensor_parallel_degree > 1:
         apply_tensor_parallel(module, mesh["tp"], config)
         TensorParallelBatch(mesh["tp"], config.prescaled_batch).install(module)

@@ -38,8 +38,9 @@ class Replicated(DataParallel):
     """DDP (ZeRO-0 and ZeRO-1): full replicas, gradients all-reduced once per step.
 
     Tensor-parallel parameters are DTensors, which `DistributedDataParallel`
-    cannot bucket; there the module is replicated with FSDP2's `replicate`
-    (same all-reduce, DTensor-aware) instead.
+    cannot bucket, and a pipeline stage's backward runs piecewise under its
+    schedule, which DDP's reducer cannot follow; there the module is replicated
+    with FSDP2's `replicate` (same all-reduce, DTensor-aware) instead.
     """
 
     def microbatch_context(self, last: bool) -> ContextManager:
@@ -86,6 +87,7 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, config: ShardwiseC
     rdp_mesh = mesh["rdp"]
     if rdp_mesh.size() == 1:
         return Replicated(model, model)
-    if config.tensor_parallel_degree > 1:
+    # DDP can neither bucket DTensors nor follow a pipeline schedule's split forward and backward passes.
+    if config.tensor_parallel_degree > 1 or config.pipeline_parallel_degree > 1:
         return Replicated(replicate(model, mesh=rdp_mesh, mp_policy=precision.sharded_policy(config, root=True)), model)
     return Replicated(DistributedDataParallel(model, device_mesh=rdp_mesh), model)

@@ -1,0 +1,163 @@
+"""Where the pipeline cuts a model: its sequence of repeated blocks and a balanced split of it.
+
+A model is cut along its one list of repeated blocks: the `ModuleList` of the
+blocks a Hugging Face model names in `_no_split_modules`, else the largest list
+of same-type modules. Modules with parameters registered before that list
+(embeddings) belong to the first stage, those registered after it (final norm,
+head) to the last; modules without parameters (rotary tables, dropout) run on
+every stage. Pure: works on a model built on the meta device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from torch import nn
+
+from ...config.errors import ConfigError, Problem
+
+PP_KEY = "pipeline_parallel_degree"
+SPLIT_KEY = "pipeline_split_points"
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The model's block list (`path`, e.g. 'transformer.h') and the modules around it."""
+
+    path: str
+    count: int
+    before: tuple[str, ...]  # paths of modules with parameters the first stage holds
+    after: tuple[str, ...]  # ... the last stage holds
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Blocks [start, stop) of every stage, in stage order."""
+
+    blocks: Blocks
+    bounds: tuple[tuple[int, int], ...]
+    costs: tuple[int, ...]
+    balance: str  # what chose the cuts: "parameters", "compute" or "split points"
+    unit: str  # of `costs`
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds)
+
+    def describe(self, stage_ranks: Sequence[int]) -> str:
+        """One line per stage, e.g. 'stage 0 (pp rank 0): transformer.wte, transformer.h.0-1 — 1.2M params'."""
+        how = "at the configured split points" if self.balance == "split points" else f"balanced by {self.balance}"
+        lines = [f"pipeline partition of {self.blocks.path} ({self.blocks.count} blocks) into {self.stages} stages, {how}:"]
+        for stage, ((start, stop), cost) in enumerate(zip(self.bounds, self.costs)):
+            parts = list(self.blocks.before) if stage == 0 else []
+            parts.append(f"{self.blocks.path}.{start}" + (f"-{stop - 1}" if stop - start > 1 else ""))
+            parts += list(self.blocks.after) if stage == self.stages - 1 else []
+            lines.append(f"  stage {stage} (pp rank {stage_ranks[stage]}): {', '.join(parts)} — {cost / 1e6:.3g}M {self.unit}")
+        return "\n".join(lines)
+
+
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
+    hf_names = set(getattr(model, "_no_split_modules", None) or [])
+    preferred = [(name, m) for name, m in lists if type(m[0]).__name__ in hf_names]
+    return preferred or lists
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_blocks(model: nn.Module) -> Blocks:
+    """The block list to cut along, and which stage holds every other module with parameters."""
+    lists = _block_lists(model)
+    if not lists:
+        raise ValueError(f"pipeline parallelism needs a sequence of repeated blocks (an nn.ModuleList of same-type "
+                         f"modules), and {type(model).__name__} has none")
+    path, blocks = max(lists, key=lambda item: _count(item[1]))
+    before: list[str] = []
+    after: list[str] = []
+    parts = path.split(".")
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        owner = model.get_submodule(prefix)
+        if any(True for _ in owner.parameters(recurse=False)):
+            raise ValueError(f"pipeline parallelism cannot place the parameters that sit directly on "
+                             f"{prefix or 'the model root'} ({type(owner).__name__}), which encloses the blocks "
+                             f"{path}; move them into a submodule")
+        side = before
+        for name, child in owner.named_children():
+            if name == parts[depth]:
+                side = after
+            elif _count(child):
+                side.append(f"{prefix}.{name}" if prefix else name)
+    return Blocks(path, len(blocks), tuple(before), tuple(after))
+
+
+def module_cost(module: nn.Module, balance: str) -> int:
+    """Parameters, or for "compute" the parameters used in matmuls (embedding lookups cost ~nothing)."""
+    if balance == "parameters":
+        return _count(module)
+    return sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
+               for p in m.parameters(recurse=False))
+
+
+def _min_max_split(costs: list[int], stages: int, first: int, last: int) -> list[int]:
+    """Stage sizes (in blocks) minimising the costliest stage; `first`/`last` add to the end stages."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: smallest max cost when stages s.. cover blocks i..n-1
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[stages][n] = 0
+    for s in range(stages - 1, -1, -1):
+        extra = (first if s == 0 else 0) + (last if s == stages - 1 else 0)
+        for i in range(n - (stages - s) + 1):
+            stops = [n] if s == stages - 1 else range(i + 1, n - (stages - s - 1) + 1)
+            for j in stops:
+                value = max(prefix[j] - prefix[i] + extra, best[s + 1][j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    sizes, i = [], 0
+    for s in range(stages):
+        sizes.append(cut[s][i] - i)
+        i = cut[s][i]
+    return sizes
+
+
+def partition(model: nn.Module, stages: int, balance: str = "parameters",
+              split_points: Optional[Sequence[int]] = None, virtual_stages: int = 1) -> Partition:
+    """Cut `model` into `stages` contiguous runs of blocks: at `split_points`, else balanced by `balance`."""
+    blocks = find_blocks(model)
+    n = blocks.count
+    if stages > n:
+        raise ConfigError([Problem(PP_KEY, stages // virtual_stages,
+                                   f"needs at least one block per stage: {stages} stages "
+                                   f"({stages // virtual_stages} × virtual_stages {virtual_stages}) but "
+                                   f"{blocks.path} has {n} blocks",
+                                   f"use at most {n} stages in all")])
+    block_list = model.get_submodule(blocks.path)
+    costs = [module_cost(b, balance) for b in block_list]
+    first = sum(module_cost(model.get_submodule(p), balance) for p in blocks.before)
+    last = sum(module_cost(model.get_submodule(p), balance) for p in blocks.after)
+    if split_points is not None:
+        points = list(split_points)
+        if points != sorted(set(points)) or not all(0 < p < n for p in points) or len(points) != stages - 1:
+            raise ConfigError([Problem(SPLIT_KEY, points,
+                                       f"must be {stages - 1} increasing block indices between 1 and {n - 1} "
+                                       f"({blocks.path} has {n} blocks, cut into {stages} stages)",
+                                       "give the first block index of every stage but the first")])
+        edges = [0, *points, n]
+    else:
+        edges = [0]
+        for size in _min_max_split(costs, stages, first, last):
+            edges.append(edges[-1] + size)
+    bounds = tuple(zip(edges[:-1], edges[1:]))
+    stage_costs = tuple(sum(costs[a:b]) + (first if s == 0 else 0) + (last if s == stages - 1 else 0)
+                        for s, (a, b) in enumerate(bounds))
+    unit = "matmul params" if balance == "compute" else "params"
+    return Partition(blocks, bounds, stage_costs, "split points" if split_points is not None else balance, unit)

@@ -1,0 +1,118 @@
+"""Drive the pipeline schedule from @step: the user's batch in, the user's per-microbatch results out.
+
+`microbatches` splits the batch; the schedule runs them in rounds of
+`active_microbatches` (all at once when unset, or when 1f1b bounds them anyway),
+so at most that many are in flight on a stage and their activations alive. Each round ends with a gradient
+reduction over the data-parallel ranks (the schedule's last backward); the
+reductions add up to the same gradients as one reduction at the end.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ...config.schema import ShardwiseConfig
+from ...runtime.state import current
+from ..clipping import clip_grad_norm_
+from ..tensor import loss_context
+from . import schedule as schedules
+from .calls import OutputsModel, call_with, capture
+from .stage import StageModule
+from .ties import TiedWeights
+
+
+class StageModules(nn.Module):
+    """This rank's (wrapped) stage modules; the model itself runs only inside a @step function."""
+
+    def __init__(self, modules: list[nn.Module]):
+        super().__init__()
+        self.stages = nn.ModuleList(modules)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("with pipeline_parallel_degree > 1 the model runs only inside a @sw.step function, "
+                           "which feeds its microbatches through the pipeline; call the step function instead")
+
+
+def _join(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """Microbatch inputs joined along dim 0 into one round's batch (the schedule splits it again)."""
+    def join(*values: Any) -> Any:
+        first = values[0]
+        return torch.cat(values) if isinstance(first, torch.Tensor) and first.dim() else first
+
+    return tree_map(join, calls[0], *calls[1:])
+
+
+class PipelineParallel:
+    """What DistributedModel keeps under pipeline parallelism, in place of a data-parallel wrapping."""
+
+    def __init__(self, inner: nn.Module, stages: list[StageModule], wrapped: list[nn.Module],
+                 ties: TiedWeights, config: ShardwiseConfig, pp_group: dist.ProcessGroup):
+        self.inner = inner  # the user's module, reduced to this rank's stages; names as in the unsplit model
+        self.module = StageModules(wrapped)
+        self.stages = stages
+        self.ties = ties
+        self.config = config
+        self.pp_group = pp_group
+        self.holds_loss = any(stage.is_last for stage in stages)
+        self.schedule: Any = None  # set by apply_pipeline once the PipelineStages exist
+        self._step: Optional[dict[str, Any]] = None  # the @step call being run
+
+    def microbatch_context(self, last: bool):
+        return nullcontext()
+
+    def run_step(self, model: nn.Module, fn: Callable, pieces: list[tuple[tuple, dict]]) -> list[Any]:
+        """Run one @step batch through the pipeline; the per-microbatch results of `fn` on the last stage."""
+        forward = self.inner.forward
+        calls = [capture(fn, model, forward, args, kwargs) for args, kwargs in pieces]
+        train = torch.is_grad_enabled()
+        device = current("@shardwise.step").device
+        per_round = self.config.pipeline_round
+        self._step = {"fn": fn, "model": model, "pieces": pieces, "train": train, "results": {}}
+        try:
+            for start in range(0, len(pieces), per_round):
+                target = torch.arange(start, start + per_round, device=device) if self.holds_loss else None
+                with loss_context(self.inner):
+                    schedules.run(self.schedule, train, target, _join(calls[start:start + per_round]))
+            results = self._step["results"]
+        finally:
+            self._step = None
+        if train:
+            self.ties.sum_grads()
+            if model.loss_scaler is not None and not self.holds_loss:
+                # fp16: gradients arrive scaled; the scaler's scale exists only once it has scaled something
+                model.loss_scaler.scale(torch.zeros((), device=device))
+        return [results[i] for i in range(len(pieces))] if self.holds_loss else []
+
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function on the last stage: the user's function on microbatch `target`."""
+        step = self._step
+        index = int(target.reshape(-1)[0])
+        stage = next(s for s in self.stages if s.is_last)
+        stand_in = OutputsModel(step["model"], stage.rebuild(output))
+        args, kwargs = step["pieces"][index]
+        runtime = current("@shardwise.step")
+        runtime.microbatch = (index, len(step["pieces"]))
+        try:
+            result = call_with(step["fn"], step["model"], stand_in, args, kwargs)
+        finally:
+            runtime.microbatch = None
+        # Metadata inference calls this once more for microbatch 0 on the first step; the later call wins.
+        step["results"][index] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, result)
+        if stand_in.loss is not None:
+            return stand_in.loss
+        if step["train"]:
+            raise RuntimeError("a training @step function must call model.backward(loss) for every microbatch "
+                               "(run evaluation steps under torch.no_grad())")
+        return torch.zeros((), device=output[0].device if isinstance(output, tuple) else output.device)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients, each tied weight counted once."""
+        skip = self.ties.duplicates()
+        return clip_grad_norm_(self.inner.parameters(), max_norm, across=self.pp_group,
+                               counted=lambda p: id(p) not in skip)

@@ -1,0 +1,182 @@
+"""A pipeline stage built from the user's own model, so its own `forward` keeps running unchanged.
+
+A stage is the model with only some of its blocks: the block list keeps just
+this stage's blocks (under their original indices, so parameter names stay
+those of the unsplit model), and every module with parameters that another
+stage holds is replaced by an `Elsewhere` stand-in without parameters. The
+model's `forward` then runs as written; two hooks make it a stage:
+
+- after the first stage, a pre-hook on the stage's first block swaps in the
+  hidden states received from the previous stage (what the stand-in embeddings
+  computed is dropped);
+- before the last stage, a hook on the stage's last block ends the forward and
+  returns that block's output, to be sent to the next stage.
+
+The last stage returns the model's outputs flattened to tensors (what
+`torch.distributed.pipelining` can handle) and `StageModule.rebuild` restores
+their structure (a Hugging Face `ModelOutput`, a dict, …) for the user's loss.
+A rank running several stages (virtual stages) has one view of the model per
+stage; the views share every block and leaf module, only the containers on the
+path to the block list are copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .partition import Blocks, Partition
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` on the meta device, made without copying any tensor data."""
+    memo: dict[int, Any] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+
+
+class Elsewhere(nn.Module):
+    """Stands in for a module another stage holds: no parameters; returns zeros shaped like its output.
+
+    Stand-ins for the embeddings let the model's forward run up to the first
+    block (which then gets the received hidden states); stand-ins for the head
+    are never reached, since the forward ends at the stage's last block.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self._shape_of = (_meta_copy(module),)  # in a tuple, so not registered: its parameters are not ours
+        self.holds = type(module).__name__
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        meta_args, meta_kwargs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        shaped = self._shape_of[0](*meta_args, **meta_kwargs)
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
+                        if isinstance(t, torch.Tensor) else t, shaped)
+
+    def extra_repr(self) -> str:
+        return f"{self.holds} held by another pipeline stage"
+
+
+def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    root.get_submodule(parent)._modules[name] = module
+
+
+def _block_list(root: nn.Module, blocks: Blocks) -> nn.Module:
+    return root.get_submodule(blocks.path)
+
+
+def prune(model: nn.Module, part: Partition, stages: list[int]) -> None:
+    """Keep in `model` only what `stages` hold: their blocks, and the end modules if they hold an end."""
+    keep = {i for s in stages for i in range(*part.bounds[s])}
+    block_list = _block_list(model, part.blocks)
+    for key in list(block_list._modules):
+        if int(key) not in keep:
+            del block_list._modules[key]  # not `del block_list[i]`, which renumbers the rest
+    ends = ([] if 0 in stages else list(part.blocks.before)) + \
+           ([] if part.stages - 1 in stages else list(part.blocks.after))
+    for path in ends:
+        _replace(model, path, Elsewhere(model.get_submodule(path)))
+
+
+def _fork(module: nn.Module) -> nn.Module:
+    """A shallow copy with its own tables of children, parameters and hooks; tensors and children shared."""
+    clone = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, (dict, set)):
+            clone.__dict__[key] = copy.copy(value)
+    return clone
+
+
+def stage_view(model: nn.Module, part: Partition, stage: int) -> nn.Module:
+    """`model` (already pruned to this rank's stages) as stage `stage` alone sees it."""
+    names = part.blocks.path.split(".")
+    root = node = _fork(model)
+    for name in names[:-1]:
+        node._modules[name] = node = _fork(node._modules[name])
+    blocks = _fork(node._modules[names[-1]])
+    start, stop = part.bounds[stage]
+    blocks._modules = {key: block for key, block in blocks._modules.items() if start <= int(key) < stop}
+    node._modules[names[-1]] = blocks
+    if stage != 0:
+        for path in part.blocks.before:
+            if not isinstance(root.get_submodule(path), Elsewhere):
+                _replace(root, path, Elsewhere(root.get_submodule(path)))
+    if stage != part.stages - 1:
+        for path in part.blocks.after:
+            if not isinstance(root.get_submodule(path), Elsewhere):
+                _replace(root, path, Elsewhere(root.get_submodule(path)))
+    return root
+
+
+_TENSOR = object()  # marks where a tensor goes back into the last stage's output structure
+
+
+class _StageDone(Exception):
+    """Ends the model's forward after the stage's last block, carrying that block's output."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+class StageModule(nn.Module):
+    """Stage `index` of `num_stages`: `forward(*received, **model_inputs)` runs the model's forward over it."""
+
+    def __init__(self, view: nn.Module, part: Partition, index: int):
+        super().__init__()
+        self.module = view
+        self.index = index
+        self.is_first = index == 0
+        self.is_last = index == part.stages - 1
+        self._blocks = list(_block_list(view, part.blocks))
+        self._received: torch.Tensor | None = None
+        self._template: tuple[Any, list[Any]] | None = None
+        self.precision: Callable[[], ContextManager] = contextlib.nullcontext
+
+    def install_hooks(self) -> None:
+        """Call after data-parallel wrapping, so ours run outside the wrappers' own block hooks."""
+        if not self.is_first:
+            self._blocks[0].register_forward_pre_hook(self._feed, with_kwargs=True, prepend=True)
+        if not self.is_last:
+            self._blocks[-1].register_forward_hook(self._finish)
+
+    def _feed(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._received is None:
+            raise RuntimeError(f"pipeline stage {self.index} ran without hidden states from stage {self.index - 1}")
+        if args:
+            return (self._received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._received}
+
+    def _finish(self, module: nn.Module, args: tuple, output: Any) -> None:
+        raise _StageDone(output[0] if isinstance(output, (tuple, list)) else output)
+
+    def forward(self, *received: torch.Tensor, **inputs: Any) -> Any:
+        self._received = received[0] if received else None
+        try:
+            with self.precision():
+                outputs = self.module(**inputs)
+        except _StageDone as done:
+            return done.hidden
+        finally:
+            self._received = None
+        leaves, spec = tree_flatten(outputs)
+        self._template = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+        tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    def rebuild(self, output: Any) -> Any:
+        """The last stage's output (tensor or tuple of tensors) in the structure the model returned."""
+        spec, leaves = self._template
+        tensors = iter(output if isinstance(output, tuple) else (output,))
+        return tree_unflatten([next(tensors) if leaf is _TENSOR else leaf for leaf in leaves], spec)

@@ -1,0 +1,127 @@
+"""Tied weights whose modules land on different stages (GPT-2's token embedding and LM head).
+
+Every stage that uses a tied weight keeps its own copy (as Megatron-LM does for
+the embedding): the copies start equal (the stage that owns the weight first
+broadcasts it), their gradients are summed across the stages after every step,
+so every copy takes the same optimizer step the single tied weight would.
+Copies on one rank (virtual stages) are summed locally first.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ...topology import Layout
+from ..tensor.rules import tied_parameters
+from .partition import Partition
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def stage_of(part: Partition, name: str) -> int:
+    """The stage holding parameter `name` (a dotted name of the unsplit model)."""
+    prefix = part.blocks.path + "."
+    if name.startswith(prefix):
+        index = int(name[len(prefix):].split(".")[0])
+        return next(s for s, (start, stop) in enumerate(part.bounds) if start <= index < stop)
+    if any(name.startswith(p + ".") for p in part.blocks.before):
+        return 0
+    return part.stages - 1
+
+
+class _Group:
+    """One tied weight: the names, the stages they land on, and where this rank's copies are."""
+
+    def __init__(self, names: list[str], stages: list[int]):
+        self.names = names
+        self.stages = stages  # stage of each name
+        self.local: dict[int, str] = {}  # local stage -> a name of its copy
+        self.group: Optional[dist.ProcessGroup] = None
+        self.source = 0  # global rank holding the owner's copy in this rank's group
+
+
+class TiedWeights:
+    """This rank's copies of tied weights that span stages.
+
+    Copies are looked up by name on every use: tensor parallelism and sharding
+    replace the parameter objects after the weights are untied here.
+    """
+
+    def __init__(self, model: nn.Module, part: Partition, local: list[int]):
+        self.model = model
+        self.groups: list[_Group] = []
+        for names in tied_parameters(model):
+            stages = [stage_of(part, n) for n in names]
+            if len(set(stages)) > 1:
+                self.groups.append(_Group(names, stages))
+        for group in self.groups:
+            original = model.get_parameter(group.names[0])
+            copies: dict[int, nn.Parameter] = {}
+            for name, stage in zip(group.names, group.stages):
+                if stage not in local:
+                    continue
+                if stage not in copies:  # the first local stage keeps the original object
+                    copies[stage] = original if not copies else nn.Parameter(original.detach().clone(),
+                                                                             original.requires_grad)
+                    group.local[stage] = name
+                path, _, pname = name.rpartition(".")
+                model.get_submodule(path)._parameters[pname] = copies[stage]
+
+    def _copies(self, group: _Group) -> list[nn.Parameter]:
+        return [self.model.get_parameter(name) for name in group.local.values()]
+
+    def connect(self, layout: Layout, rank: int, stage_ranks: list[int]) -> None:
+        """Make a process group per tied weight over the pp ranks holding it (every rank must call this)."""
+        for group in self.groups:
+            holders = sorted({stage_ranks[s] for s in group.stages})
+            owner = stage_ranks[group.stages[0]]
+            for line in layout.groups("pp"):  # one line of pp ranks per (dp, tp) coordinate
+                members = [line[r] for r in holders]
+                handle = dist.new_group(members) if len(members) > 1 else None
+                if rank in line:
+                    group.group, group.source = handle, line[owner]
+
+    @torch.no_grad()
+    def broadcast_values(self) -> None:
+        """Every copy takes the value of the owning stage's copy."""
+        for group in self.groups:
+            copies = self._copies(group)
+            if not copies:
+                continue
+            if group.group is not None:
+                dist.broadcast(_local(copies[0]), src=group.source, group=group.group)
+            for copy in copies[1:]:
+                _local(copy).copy_(_local(copies[0]))
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """Each copy's gradient becomes the sum over all copies: the tied weight's gradient."""
+        for group in self.groups:
+            copies = self._copies(group)
+            if not copies:
+                continue
+            for copy in copies:
+                if copy.grad is None:
+                    copy.grad = torch.zeros_like(copy)
+                elif isinstance(copy.grad, DTensor) and copy.grad.placements != copy.placements:
+                    # e.g. a vocabulary-parallel embedding's gradient comes back replicated
+                    copy.grad = copy.grad.redistribute(copy.device_mesh, copy.placements)
+            total = _local(copies[0].grad).clone()
+            for copy in copies[1:]:
+                total += _local(copy.grad)
+            if group.group is not None:
+                dist.all_reduce(total, group=group.group)
+            for copy in copies:
+                _local(copy.grad).copy_(total)
+
+    def duplicates(self) -> set[int]:
+        """ids of the copies a global norm must skip, so each tied weight counts once."""
+        return {id(self.model.get_parameter(name)) for g in self.groups
+                for stage, name in g.local.items() if stage != g.stages[0]}
