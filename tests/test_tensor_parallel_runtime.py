@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.testing import run_distributed
-from test_tensor_parallel import MODELS, _inputs, _loss
+from test_tensor_parallel import MODELS, USER_PLANS, _inputs, _loss
 
 ROWS = 2  # rows per data-parallel rank (dp counts TP ranks, as in SMP)
 STEPS = 3
@@ -46,7 +46,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def train_kind(kind: str, prescaled: bool, optimizer: str, checkpoint: bool) -> dict:
     torch.manual_seed(0)
     reference = MODELS[kind](256)
-    model = sw.DistributedModel(copy.deepcopy(reference))
+    model = sw.DistributedModel(copy.deepcopy(reference), tensor_parallel_plan=USER_PLANS.get(kind))
     if checkpoint:
         for block in model.get_module().base_model.layers if kind != "gpt2" else model.get_module().transformer.h:
             sw.set_activation_checkpointing(block)
@@ -113,6 +113,11 @@ def test_zero2_microbatches_and_checkpointing():
     """TP × ZeRO-2 with two @step microbatches and every block recomputed in backward."""
     config = {"tensor_parallel_degree": 2, "zero_stage": 2, "sharded_data_parallel_degree": 2, "microbatches": 2}
     _check(run_distributed(train_all, 4, config, checkpoint=True, timeout=300)[0])
+
+
+def test_user_plan_for_a_model_without_builtin_plan():
+    """A model no plan is built in for splits by the plan given to DistributedModel."""
+    _check(run_distributed(train_all, 4, {"tensor_parallel_degree": 2}, ("mlp",), timeout=300)[0])
 
 
 def test_zero1_adamw_on_llama():

@@ -13,13 +13,19 @@ from ..parallel import precision
 from ..parallel.clipping import clip_grad_norm_
 from ..parallel.compose import parallelize
 from ..parallel.pipeline import PipelineParallel
+from ..parallel.tensor import PlanLike
 from ..runtime.state import current
 
 
 class DistributedModel(nn.Module):
-    """Wraps `module` per the config given to `init`; `get_module()` returns the module as the user built it."""
+    """Wraps `module` per the config given to `init`; `get_module()` returns the module as the user built it.
 
-    def __init__(self, module: nn.Module):
+    `tensor_parallel_plan` splits a model that has no built-in plan (module-path
+    pattern → style, see docs/tensor_parallel.md); it is used only when
+    tensor_parallel_degree > 1.
+    """
+
+    def __init__(self, module: nn.Module, tensor_parallel_plan: PlanLike = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedModel expects a torch.nn.Module, got {type(module).__name__}")
@@ -27,7 +33,7 @@ class DistributedModel(nn.Module):
         self._runtime = runtime
         if runtime.config.pipeline_parallel_degree == 1:  # a pipeline stage moves only its own part
             module.to(runtime.device)
-        self._parallel = parallelize(module, runtime.mesh, runtime.config)
+        self._parallel = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan)
         self.module = self._parallel.module
         self._autocast = not isinstance(self.module, FSDPModule)  # FSDP2 modules cast by their own policy
         self.loss_scaler = precision.loss_scaler(runtime.config, runtime.device)

@@ -19,7 +19,7 @@ from ..config.schema import ShardwiseConfig
 from ..runtime.mesh import ParallelMesh
 from .pipeline import PipelineParallel, apply_pipeline
 from .sharding import DataParallel, apply_data_parallel
-from .tensor import TensorParallelBatch, apply_tensor_parallel
+from .tensor import PlanLike, TensorParallelBatch, apply_tensor_parallel
 
 
 @torch.no_grad()
@@ -32,11 +32,13 @@ def broadcast_from_rank0(module: nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig) -> DataParallel | PipelineParallel:
+def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig,
+                tp_plan: PlanLike = None) -> DataParallel | PipelineParallel:
+    """`tp_plan`: the user's tensor-parallel plan, for models without a built-in one."""
     broadcast_from_rank0(module)
     if config.pipeline_parallel_degree > 1:  # cuts the model into stages, then TP and DP per stage
-        return apply_pipeline(module, mesh, config)
+        return apply_pipeline(module, mesh, config, tp_plan)
     if config.tensor_parallel_degree > 1:
-        apply_tensor_parallel(module, mesh["tp"], config)
+        apply_tensor_parallel(module, mesh["tp"], config, tp_plan)
         TensorParallelBatch(mesh["tp"], config.prescaled_batch).install(module)
     return apply_data_parallel(module, mesh, config)

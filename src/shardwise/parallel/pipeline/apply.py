@@ -21,7 +21,7 @@ from ...config.schema import ShardwiseConfig
 from ...runtime.mesh import ParallelMesh
 from .. import precision
 from ..sharding import apply_data_parallel
-from ..tensor import TensorParallelBatch, TensorParallelPlan, apply_tensor_parallel, plan_for
+from ..tensor import PlanLike, TensorParallelBatch, TensorParallelPlan, apply_tensor_parallel, plan_for
 from ..tensor.plan import match
 from .materialize import has_meta, materialize
 from .partition import partition
@@ -43,10 +43,10 @@ def _agreed_seed(device: torch.device) -> int:
     return int(seed.item())
 
 
-def stage_plan(model: nn.Module) -> TensorParallelPlan:
+def stage_plan(model: nn.Module, plan: PlanLike = None) -> TensorParallelPlan:
     """The model's tensor-parallel plan without the patterns that match only modules other stages hold."""
     names = [name for name, module in model.named_modules() if not isinstance(module, Elsewhere)]
-    plan = plan_for(model)
+    plan = plan_for(model, plan)
 
     def held(patterns):
         return {p: v for p, v in patterns.items() if any(match(p, name) for name in names)}
@@ -54,7 +54,8 @@ def stage_plan(model: nn.Module) -> TensorParallelPlan:
     return dataclasses.replace(plan, styles=held(plan.styles), local_attrs=held(plan.local_attrs))
 
 
-def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig) -> PipelineParallel:
+def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig,
+                   tp_plan: PlanLike = None) -> PipelineParallel:
     """Reduce `model` in place to this rank's pipeline stages and return what runs them."""
     pp_mesh = mesh["pp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
@@ -74,7 +75,7 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig
     ties.broadcast_values()
     stages = [StageModule(stage_view(model, part, s), part, s) for s in local]
     if config.tensor_parallel_degree > 1:
-        apply_tensor_parallel(model, mesh["tp"], config, stage_plan(model))
+        apply_tensor_parallel(model, mesh["tp"], config, stage_plan(model, tp_plan))
         for stage in stages:
             TensorParallelBatch(mesh["tp"], config.prescaled_batch).install(stage.module)
     wrapped = []

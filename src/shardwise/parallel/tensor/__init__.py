@@ -10,7 +10,7 @@
 See docs/tensor_parallel.md for plans, rules, prescaled_batch and loss scaling.
 """
 
-from .apply import apply_tensor_parallel, plan_for
+from .apply import PlanLike, apply_tensor_parallel, plan_for
 from .batch import TensorParallelBatch, gather_batch, split_outputs
 from .loss import loss_context
 from .plan import TensorParallelPlan
@@ -20,7 +20,7 @@ from .state import full_state_dict
 from .styles import STYLE_NAMES, Colwise, Rowwise
 
 __all__ = [
-    "BUILTIN_MODEL_TYPES", "STYLE_NAMES", "Colwise", "Rowwise", "TensorParallelBatch", "TensorParallelPlan",
+    "BUILTIN_MODEL_TYPES", "STYLE_NAMES", "Colwise", "PlanLike", "Rowwise", "TensorParallelBatch", "TensorParallelPlan",
     "apply_tensor_parallel", "builtin_plan", "check_tensor_parallel", "full_state_dict", "gather_batch",
     "loss_context", "plan_for", "split_outputs",
 ]

@@ -40,8 +40,8 @@ def plan_for(model: nn.Module, plan: PlanLike = None) -> TensorParallelPlan:
         kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise ConfigError([Problem(PLAN_KEY, kind, "no built-in plan for this model "
                                    f"(built in: {', '.join(BUILTIN_MODEL_TYPES)})",
-                                   "pass plan={'module.path.pattern': 'colwise' | 'rowwise' | …} "
-                                   "to apply_tensor_parallel (see docs/tensor_parallel.md)")])
+                                   "pass sw.DistributedModel(model, tensor_parallel_plan={'module.path.pattern': "
+                                   "'colwise' | 'rowwise' | …}) (see docs/tensor_parallel.md)")])
     return found
 
 
