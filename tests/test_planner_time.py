@@ -91,16 +91,20 @@ def test_tensor_parallel_all_reduces_are_on_the_critical_path():
 def test_data_parallel_collectives_are_the_runtimes():
     """As bench/sharding.py counts them: DDP all-reduces fp32 gradients, ZeRO-1 then broadcasts every
     tensor from its owner, ZeRO-2 gathers in forward only and ZeRO-3 in backward too; in bf16 the
-    gathers move bf16 and the gradients fp32."""
+    gathers move bf16 and the gradients fp32, and ZeRO-1 reduces each share's fp32 gradients to its
+    owner after every microbatch and broadcasts bf16 parameters."""
     a = resolve_model("gpt2-10b").parameters
 
     def collectives(config: dict) -> list[tuple[str, float]]:
         return sorted((c.name, c.bytes_per_step) for c in _time({"bf16": True, **config}).collectives)
 
     assert collectives({}) == [("gradient all-reduce (overlaps last backward)", 4 * a)]
-    assert collectives({"shard_optimizer_state": True}) == [
+    assert collectives({"shard_optimizer_state": True, "bf16": False}) == [
         ("gradient all-reduce (overlaps last backward)", 4 * a),
         ("parameter broadcast (after the optimizer step)", 4 * a)]
+    assert collectives({"shard_optimizer_state": True}) == [
+        ("gradient reduce (after each microbatch's backward)", 4 * a),
+        ("parameter broadcast (after the optimizer step)", 2 * a)]
     zero2 = [("gradient reduce-scatter (overlaps backward)", 4 * a), ("parameter all-gather (overlaps forward)", 2 * a)]
     assert collectives({"zero_stage": 2, "sharded_data_parallel_degree": 32}) == zero2
     assert collectives({"sharded_data_parallel_degree": 32}) == sorted(

@@ -6,8 +6,11 @@ from typing import Any, Optional
 
 import torch
 
+from ..parallel.master_weights import MasterWeights
 from ..parallel.optimizer_state import OptimizerStateSharding
 from ..runtime.state import current
+
+MASTERS_KEY = "fp32_master_params"  # in `state_dict()` under ZeRO-1 in bf16/fp16: this rank's masters, in order
 
 
 class DistributedOptimizer:
@@ -15,7 +18,9 @@ class DistributedOptimizer:
 
     With ZeRO-1 the wrapped optimizer holds only this rank's share of the
     parameters (see parallel/optimizer_state.py); `zero_grad` still clears every
-    parameter's gradient.
+    parameter's gradient. In bf16/fp16 that share is fp32 master copies of the
+    half-precision parameters (parallel/master_weights.py), and `state_dict`
+    carries them too.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
@@ -28,39 +33,54 @@ class DistributedOptimizer:
         self._runtime = runtime
         self._model = runtime.model
         self._sharding: Optional[OptimizerStateSharding] = None
-        if runtime.config.effective_zero_stage == 1 and runtime.mesh["rdp"].size() > 1:
-            self._sharding = OptimizerStateSharding(optimizer, runtime.mesh["rdp"].get_group())
+        self._masters: Optional[MasterWeights] = None
+        self.grad_norm: Optional[torch.Tensor] = None  # before clipping, from the last step that clipped
+        config, replicas = runtime.config, runtime.mesh["rdp"]
+        if config.effective_zero_stage == 1 and (replicas.size() > 1 or config.sharded_master_weights):
+            self._sharding = OptimizerStateSharding(optimizer, replicas.get_group())
+        if config.sharded_master_weights:
+            self._masters = MasterWeights(optimizer, self._sharding, runtime.mesh["tp"].get_local_rank())
+            self._model.after_microbatch = self._masters.reduce_gradients
         self.optimizer = optimizer
 
     def step(self, closure: Any = None) -> Any:
-        """Unscale (fp16), clip (`gradient_clipping`), step; an fp16 overflow on any rank skips it on all."""
+        """Unscale (fp16), clip (`gradient_clipping`, keeping the global norm in `grad_norm` for logs), step;
+        an fp16 overflow on any rank skips it on all."""
+        if self._masters is not None:
+            return self._step_masters(closure)
         scaler = self._model.loss_scaler
-        clip = self._runtime.config.gradient_clipping
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-            self._unscale_unowned(scaler)
+        clip = self._runtime.config.gradient_clipping
         if clip is not None:
-            self._model.clip_grad_norm_(clip)
-        if scaler is None:
-            result = self.optimizer.step(closure)
-        else:
-            result = scaler.step(self.optimizer)
-            scaler.update()
+            self.grad_norm = self._model.clip_grad_norm_(clip)
+        result = self._step_wrapped(closure)
         if self._sharding is not None:
             self._sharding.broadcast_parameters()
         return result
 
-    @torch.no_grad()
-    def _unscale_unowned(self, scaler: Any) -> None:
-        """With ZeRO-1 the scaler only unscales this rank's share; clipping takes the norm over every
-        gradient, so unscale the others too (an inf among them is found by its owner and skips the step)."""
-        if self._sharding is None:
-            return
-        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        inverse = 1.0 / scaler.get_scale()
-        for param in self._sharding.owner_of:
-            if id(param) not in owned and param.grad is not None:
-                param.grad.mul_(inverse)
+    def _step_masters(self, closure: Any) -> Any:
+        """ZeRO-1 in bf16/fp16: gradients still on the replicas go to the owners' fp32 masters, which are
+        unscaled, clipped and stepped, then rounded back into the parameters everywhere."""
+        masters = self._masters
+        masters.reduce_gradients()  # what a backward outside @step left (@step reduces after every microbatch)
+        masters.adopt_changed_parameters()
+        if self._model.loss_scaler is not None:
+            self._model.loss_scaler.unscale_(self.optimizer)
+        clip = self._runtime.config.gradient_clipping
+        if clip is not None:
+            self.grad_norm = masters.clip_grad_norm_(clip, self._model.tied_copies())
+        result = self._step_wrapped(closure)
+        masters.write_back()
+        return result
+
+    def _step_wrapped(self, closure: Any) -> Any:
+        scaler = self._model.loss_scaler
+        if scaler is None:
+            return self.optimizer.step(closure)
+        result = scaler.step(self.optimizer)
+        scaler.update()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -72,7 +92,15 @@ class DistributedOptimizer:
         return self.optimizer.param_groups
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state (this rank's share under ZeRO-1), with the fp32 masters in bf16/fp16."""
+        state = self.optimizer.state_dict()
+        if self._masters is not None:
+            state[MASTERS_KEY] = self._masters.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        state = dict(state_dict)
+        masters = state.pop(MASTERS_KEY, None)
+        self.optimizer.load_state_dict(state)
+        if masters is not None and self._masters is not None:
+            self._masters.load_state_dict(masters)

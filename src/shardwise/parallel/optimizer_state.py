@@ -3,8 +3,9 @@
 Parameters are dealt whole to the ranks of the replica group, largest first to
 the least-loaded rank, so every rank's share is about 1/n of the bytes. The
 user's own optimizer object keeps only its share in `param_groups` (so Adam's
-two fp32 moments exist for 1/n of the model); after each step every owner
-broadcasts its updated parameters to the other replicas.
+two fp32 moments exist for 1/n of the model; in bf16/fp16 so do the fp32 master
+copies, see master_weights.py); after each step every owner broadcasts its
+updated parameters to the other replicas.
 
 Written here rather than taken from `torch.distributed.optim.ZeroRedundancyOptimizer`
 because that one rebuilds the optimizer from its class and arguments and cannot
@@ -19,7 +20,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a tensor-parallel DTensor, or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -43,7 +45,7 @@ class OptimizerStateSharding:
                              "create it right after DistributedModel and before the first step")
         self.group = group
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        owners = assign_owners([_local(p).numel() for p in params], dist.get_world_size(group))
+        owners = assign_owners([local_tensor(p).numel() for p in params], dist.get_world_size(group))
         self.owner_of = {p: dist.get_global_rank(group, owner) for p, owner in zip(params, owners)}
         me = dist.get_rank()
         for param_group in optimizer.param_groups:
@@ -52,7 +54,9 @@ class OptimizerStateSharding:
     @torch.no_grad()
     def broadcast_parameters(self) -> None:
         """Every replica receives each parameter from the rank that stepped it."""
-        works = [dist.broadcast(_local(p), src=owner, group=self.group, async_op=True)
+        if dist.get_world_size(self.group) == 1:
+            return
+        works = [dist.broadcast(local_tensor(p), src=owner, group=self.group, async_op=True)
                  for p, owner in self.owner_of.items()]
         for work in works:
             work.wait()

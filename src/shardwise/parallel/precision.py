@@ -1,19 +1,25 @@
 """Mixed precision: low-precision compute, fp32 master weights and fp32 gradient reduction.
 
-Sharded models get FSDP2's per-module casting (the bf16/fp16 copies are what
-gets gathered, halving traffic); replicated models use autocast. fp16 adds
-dynamic loss scaling whose overflow check agrees across every rank.
+Sharded models (ZeRO-2/3, MiCS) get FSDP2's per-module casting (the bf16/fp16
+copies are what gets gathered, halving traffic); replicated models use autocast.
+DDP keeps fp32 parameters; ZeRO-1 stores them in the compute dtype and computes
+as FSDP2 does (`store_in_compute_dtype`), with fp32 masters of each rank's share
+kept by the optimizer (master_weights.py). fp16 adds dynamic loss scaling whose
+overflow check agrees across every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional
+import gc
+from typing import Any, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.utils._pytree import tree_map_only
 
 from ..config.schema import ShardwiseConfig
 
@@ -29,6 +35,32 @@ def sharded_policy(config: ShardwiseConfig, root: bool) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                 output_dtype=torch.float32 if root else None)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+@torch.no_grad()
+def store_in_compute_dtype(module: nn.Module, config: ShardwiseConfig) -> None:
+    """ZeRO-1 in bf16/fp16: keep `module`'s parameters in the compute dtype and compute in it as FSDP2's
+    policy does for ZeRO-2/3 (floating inputs cast to it, outputs returned in fp32 for the loss), so every
+    sharding mode does the same arithmetic.
+
+    The cast values are swapped into the existing Parameter objects, so every reference
+    stays valid (tied weights, a pipeline's tie map; tensor-parallel DTensors stay
+    DTensors). `swap_tensors` refuses a tensor something else still holds, and a
+    finished collective's work can hold one from a reference cycle until the garbage
+    collector runs: collect first. Buffers keep their dtype: rotary frequencies would
+    lose accuracy in bf16.
+    """
+    dtype = compute_dtype(config)
+    gc.collect()
+    for param in module.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            torch.utils.swap_tensors(param, nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad))
+    module.register_forward_pre_hook(lambda _, args, kwargs: _cast_floating((args, kwargs), dtype), with_kwargs=True)
+    module.register_forward_hook(lambda _, args, output: _cast_floating(output, torch.float32))
 
 
 def autocast(config: ShardwiseConfig, device: torch.device) -> ContextManager:

@@ -18,8 +18,9 @@ from . import assumptions as A
 from .hardware import ClusterSpec
 
 # Steps (and volume multiples) of a ring: all-reduce = reduce-scatter + all-gather. Broadcasts of
-# every rank's own tensors move, per rank, what an all-gather of them would.
-_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
+# every rank's own tensors move, per rank, what an all-gather of them would; reduces to every rank
+# of its own share, what a reduce-scatter would.
+_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "reduce": 1}
 _STRIDE_ORDER = ("tp", "dp_shard", "dp_replicate", "pp")   # innermost first, as Layout places ranks
 
 

@@ -4,8 +4,10 @@ Model states follow the ZeRO paper's accounting for what shardwise runs
 (`wrapping.py`): with a = parameters on the rank and n = the sharding degree,
 fp32 parameters 4a, gradients 4a and Adam moments 8a, DDP's gradient buckets 4a
 more (fp32 DDP = 20a, seed 003); ZeRO-1 shards the moments (8a/n on average,
-more on the busiest rank), ZeRO-2/3 shard all three (16a/n). With MiCS, n is the
-partition-group size; ZeRO-1 shards over every data-parallel rank.
+more on the busiest rank), and in bf16/fp16 keeps SMP's layout: parameters 2a and
+gradients 2a on every replica, fp32 masters and moments 12a/n; ZeRO-2/3 shard all
+three (16a/n). With MiCS, n is the partition-group size; ZeRO-1 shards over every
+data-parallel rank.
 """
 
 from __future__ import annotations
@@ -19,15 +21,15 @@ from . import assumptions as A
 from .activations import rank_activations
 from .hardware import DeviceSpec, Kernels
 from .spec import ModelSpec
-from .wrapping import (GRAD_BYTES, PARAM_BYTES, comm_buffer_bytes, gathered_bytes, numerics, optimizer_share,
-                       shard_degrees)
+from .wrapping import (comm_buffer_bytes, gathered_bytes, numerics, optimizer_bytes, optimizer_share, shard_degrees,
+                       stored_bytes)
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes per rank. `offloaded` lives in host memory and is not part of `total`."""
 
-    parameters: float       # fp32, as stored (sharded by ZeRO-2/3): the master copy in mixed precision
+    parameters: float       # as stored (sharded by ZeRO-2/3): fp32, the master copy, except ZeRO-1's half replicas
     gradients: float
     optimizer: float
     gathered_params: float  # FSDP2's unsharded compute copies at the peak
@@ -59,11 +61,12 @@ class MemoryBreakdown:
 def model_state_bytes(parameters: float, config: ShardwiseConfig, layout: Layout,
                       optimizer_fraction: Optional[float] = None) -> dict[str, float]:
     """Parameters, gradients and optimizer states for `parameters` on one rank; the busiest
-    rank's `optimizer_fraction` of the moments (default: an even split)."""
+    rank's `optimizer_fraction` of the moments (and masters; default: an even split)."""
     params_n, grads_n, optim_n = shard_degrees(config, layout)
     share = 1 / optim_n if optimizer_fraction is None else optimizer_fraction
-    return {"parameters": PARAM_BYTES * parameters / params_n, "gradients": GRAD_BYTES * parameters / grads_n,
-            "optimizer": A.OPTIMIZER_STATE_BYTES * parameters * share}
+    stored = stored_bytes(config)
+    return {"parameters": stored * parameters / params_n, "gradients": stored * parameters / grads_n,
+            "optimizer": optimizer_bytes(config) * parameters * share}
 
 
 def in_flight_microbatches(config: ShardwiseConfig, layout: Layout) -> int:

@@ -2,14 +2,20 @@
 
 Measured with MemTracker on the runtime itself (tests/test_planner_measured.py):
 
-- ZeRO-0/1 run under torch DDP. Mixed precision is autocast there: parameters,
-  gradients and DDP's gradient buckets stay fp32, the residual stream too, and
-  autocast keeps a low-precision copy of every weight a matmul reads for backward.
-  With tensor or pipeline parallelism FSDP2's `replicate` replaces DDP and casts
-  by its policy.
+- ZeRO-0, and ZeRO-1 in fp32, run under torch DDP. Mixed precision is autocast
+  there: parameters, gradients and DDP's gradient buckets stay fp32, the residual
+  stream too, and autocast keeps a low-precision copy of every weight a matmul reads
+  for backward. With tensor or pipeline parallelism FSDP2's `replicate` replaces DDP
+  and casts by its policy.
 - ZeRO-1 (parallel/optimizer_state.py) deals whole tensors, largest first, to the
   least-loaded rank, so the busiest rank holds more than 1/n of the optimizer
   state, and broadcasts each updated tensor from its owner after the step.
+- ZeRO-1 in bf16/fp16 (parallel/master_weights.py) keeps parameters and gradients
+  in the compute dtype on every replica and fp32 masters of the rank's share beside
+  the optimizer's moments; it computes as FSDP2 does (fp32 outputs). After every
+  microbatch (once per step under a pipeline) each owner's share of the gradients
+  is reduced to it in fp32, through at most three fp32 buffers of one share each:
+  the owner's master gradients and two in flight.
 - ZeRO-2/3 and MiCS run FSDP2 (`fully_shard` per block, then the root). Parameters
   are stored sharded in fp32 (they are the master copy) and gathered in the compute
   dtype: ZeRO-2 keeps every block gathered from its forward to its backward, ZeRO-3
@@ -24,11 +30,12 @@ from functools import lru_cache
 
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
+from . import assumptions as A
 from .activations import Numerics
 from .spec import ModelSpec
 
-PARAM_BYTES = 4  # parameters are fp32 in every precision
-GRAD_BYTES = 4   # so are gradients: DDP's of fp32 parameters, FSDP2's reduced in fp32
+FP32_BYTES = 4
+REDUCE_BYTES = FP32_BYTES  # gradients are reduced in fp32 in every mode
 _LOW_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -37,27 +44,43 @@ def compute_bytes(config: ShardwiseConfig) -> int:
     return _LOW_BYTES[config.dtype_name]
 
 
+def stored_bytes(config: ShardwiseConfig) -> int:
+    """Bytes per stored parameter and per gradient: the compute dtype on ZeRO-1's half-precision replicas,
+    else fp32 (DDP's gradients of fp32 parameters, FSDP2's reduced in fp32)."""
+    return compute_bytes(config) if config.sharded_master_weights else FP32_BYTES
+
+
+def optimizer_bytes(config: ShardwiseConfig) -> int:
+    """Bytes per parameter the optimizer keeps: Adam's moments, plus ZeRO-1's fp32 master in bf16/fp16."""
+    return A.OPTIMIZER_STATE_BYTES + (FP32_BYTES if config.sharded_master_weights else 0)
+
+
 def fully_sharded(config: ShardwiseConfig) -> bool:
     return config.effective_zero_stage >= 2
 
 
 def replicated_by_ddp(config: ShardwiseConfig, layout: Layout) -> bool:
-    """ZeRO-0/1 without tensor or pipeline parallelism: torch DDP (else FSDP2's `replicate` or `fully_shard`)."""
-    return not fully_sharded(config) and layout.tp == 1 and layout.pp == 1
+    """ZeRO-0 (and fp32 ZeRO-1) without tensor or pipeline parallelism: torch DDP."""
+    return not (fully_sharded(config) or config.sharded_master_weights) and layout.tp == 1 and layout.pp == 1
+
+
+def replicated_by_fsdp(config: ShardwiseConfig, layout: Layout) -> bool:
+    """ZeRO-0 (and fp32 ZeRO-1) with tensor or pipeline parallelism: FSDP2's `replicate`."""
+    return not (fully_sharded(config) or config.sharded_master_weights or replicated_by_ddp(config, layout))
 
 
 def autocast(config: ShardwiseConfig, layout: Layout) -> bool:
-    """Mixed precision by autocast under DDP; FSDP2 casts by its policy."""
+    """Mixed precision by autocast under DDP; FSDP2 and ZeRO-1's half-precision replicas cast by policy."""
     return config.dtype_name != "fp32" and replicated_by_ddp(config, layout)
 
 
 def numerics(config: ShardwiseConfig, layout: Layout) -> Numerics:
     low = compute_bytes(config)
-    if low == PARAM_BYTES:
+    if low == FP32_BYTES:
         return Numerics(low)
     if autocast(config, layout):
-        return Numerics(low, residual=PARAM_BYTES, weight_copies=low)
-    return Numerics(low, logits=PARAM_BYTES)
+        return Numerics(low, residual=FP32_BYTES, weight_copies=low)
+    return Numerics(low, logits=FP32_BYTES)
 
 
 def shard_degrees(config: ShardwiseConfig, layout: Layout) -> tuple[int, int, int]:
@@ -85,8 +108,8 @@ def optimizer_share(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) ->
 
 
 def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
-    """Unsharded compute copies of parameters FSDP2 holds at the peak (0 under DDP)."""
-    if replicated_by_ddp(config, layout):
+    """Unsharded compute copies of parameters FSDP2 holds at the peak (0 under DDP and ZeRO-1 in bf16/fp16)."""
+    if not (fully_sharded(config) or replicated_by_fsdp(config, layout)):
         return 0.0
     low = compute_bytes(config)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
@@ -98,13 +121,17 @@ def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> 
 
 
 def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int) -> float:
-    """DDP's fp32 bucket copy of every gradient; FSDP2's unsharded block gradients and their
-    fp32 reduce-scatter input; pipeline send/receive buffers."""
+    """DDP's fp32 bucket copy of every gradient; FSDP2's unsharded block gradients and their fp32
+    reduce-scatter input; ZeRO-1's fp32 master gradients and reduce buffers in bf16/fp16; pipeline
+    send/receive buffers."""
     low = compute_bytes(config)
+    rank_params = spec.stage_parameters(layout.pp) / layout.tp
     if fully_sharded(config):
-        buffers = spec.layer_parameters / layout.tp * (low + GRAD_BYTES)
+        buffers = spec.layer_parameters / layout.tp * (low + REDUCE_BYTES)
+    elif config.sharded_master_weights:
+        buffers = min(3, layout.dp) * REDUCE_BYTES * rank_params * optimizer_share(spec, config, layout)
     else:
-        buffers = GRAD_BYTES * spec.stage_parameters(layout.pp) / layout.tp if layout.dp > 1 else 0.0
+        buffers = REDUCE_BYTES * rank_params if layout.dp > 1 else 0.0
     if layout.pp > 1:
         buffers += 2 * micro_batch * seq * spec.hidden * low
     return buffers

@@ -1,0 +1,426 @@
+"""ZeRO-1 in bf16/fp16 keeps what SMP keeps: half-precision replicas, fp32 masters of each rank's share.
+
+With `shard_optimizer_state` and `bf16` or `fp16`, every data-parallel replica
+stores parameters and gradients in the compute dtype and the user's optimizer
+(AdamW; SGD with momentum under tensor parallelism) steps fp32 master copies of
+only this rank's share (parallel/master_weights.py). On 4
+gloo ranks, through the seed's loop:
+
+- same math: losses and final parameters match one plain PyTorch process doing
+  the same mixed-precision arithmetic (`reference`): parameters rounded to the
+  compute dtype, floating inputs cast to it and logits returned in fp32, each
+  replica's gradient of each microbatch summed in fp32 and averaged, fp32 masters
+  of the rounded initial weights stepped by AdamW and rounded back — with
+  microbatches, global-norm clipping, fp16 loss scaling, and an fp16 overflow
+  forced into one parameter on one rank, which must skip the step on every rank;
+- bytes (MemTracker): parameters 2a, gradients 2a, optimizer (masters + AdamW
+  moments) 12a/n per rank;
+- why microbatches accumulate in fp32 (the error of accumulating them in bf16),
+  and that they do;
+- tensor parallelism 2 × 2 replicas and pipeline stages 2 × 2 replicas; the
+  optimizer's state_dict round trip; weights loaded after the optimizer was
+  built; the errors a user can meet.
+
+Tolerances. Without tensor parallelism both sides run the same kernels, on one
+thread each, on the same rows in the same dtypes, and here they agree bit for bit;
+what may differ is the order of the fp32 sums over replicas (gloo's reduce against
+one process's loop). Losses and gradient norms must agree within 1e-5 relative
+and every parameter tensor within 1e-3 norm-relative, which leaves room for a sum that lands on a
+bf16 rounding boundary and flips one element by one bf16 ulp (2^-8 relative).
+With tensor parallelism the row-parallel layers add partial products in bf16
+across the two ranks, a rounding one process never makes: losses within 1e-3,
+gradient norms within 1e-2 and parameter tensors within 2e-2 after SGD (measured:
+4e-4, 3e-3 and 1.3e-2, the worst on near-zero biases; Adam would turn the
+different rounding of their tiny gradients into full-size steps). Counting a
+parameter TP leaves whole on both TP ranks would put the norm 23 % off.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+
+import shardwise as sw
+from shardwise.testing import run_distributed
+from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error
+
+WORLD, ROWS, STEPS = 4, 2, 3
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+INIT_SCALE = 2.0 ** 16  # torch's GradScaler default, which shardwise's fp16 loss scaler keeps
+FORCED = "transformer.ln_f.bias"  # a small GPT-2 tensor: exactly one rank owns it
+LOSS_TOLERANCE, PARAM_TOLERANCE = 1e-5, 1e-3
+
+
+def _rows(data, step: int, index: int, rows: int, replicas: int):
+    """The rows replica `index` of `replicas` trains on in `step`: consecutive slices of the global batch."""
+    start = (step * replicas + index) * rows
+    return data[start:start + rows]
+
+
+class HalfPrecision(nn.Module):
+    """The reference's mixed precision: floating inputs in the compute dtype, logits returned in fp32."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, inputs: torch.Tensor) -> dict:
+        inputs = inputs.to(self.dtype) if inputs.is_floating_point() else inputs
+        return {"logits": self.model(inputs)["logits"].float()}
+
+
+@torch.no_grad()
+def _reference_step(masters, trainable, total, optimizer, clip, dtype) -> float:
+    """Clip the fp32 gradients by their global norm, step the masters, round them into the parameters;
+    returns the norm."""
+    norm = torch.stack([g.norm() ** 2 for g in total]).sum().sqrt()
+    if clip is not None:
+        coef = min(1.0, clip / (float(norm) + 1e-6))
+        total = [g * coef for g in total]
+    for master, grad in zip(masters, total):
+        master.grad = grad
+    optimizer.step()
+    for param, master in zip(trainable, masters):
+        param.copy_(master.to(dtype))
+    return float(norm)
+
+
+@functools.cache
+def reference(kind: str, precision: str, optimizer: str = "adamw", replicas: int = WORLD, rows: int = ROWS,
+              microbatches: int = 1, clip: float | None = None, overflow: tuple[int, int] | None = None) -> dict:
+    """One plain process: the mixed-precision arithmetic above, replica by replica and microbatch by
+    microbatch; `overflow` = (step, replica) puts an inf into one gradient there (fp16 skips that step).
+
+    On one thread, as the harness's workers run: a bf16 matmul split over two threads sums in
+    another order and rounds differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(kind, precision, optimizer, replicas, rows, microbatches, clip, overflow)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def half_model(kind: str, dtype: torch.dtype, **sizes) -> nn.Module:
+    """The tiny model with its parameters rounded to `dtype`, as ZeRO-1 stores them."""
+    model = build(kind, freeze_key_bias=True, **sizes)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
+def _reference(kind, precision, optimizer_name, replicas, rows, microbatches, clip, overflow) -> dict:
+    dtype = DTYPES[precision]
+    model = half_model(kind, dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float() for p in trainable]
+    optimizer = make_optimizer(optimizer_name, masters)
+    scale = INIT_SCALE if precision == "fp16" else 1.0
+    data = dataset(kind, STEPS * replicas * rows)
+    losses, norms, half = [], [], HalfPrecision(model, dtype)
+    for step in range(STEPS):
+        total, step_losses = [torch.zeros_like(m) for m in masters], []
+        batches = [[piece.chunk(microbatches) for piece in _rows(data, step, r, rows, replicas)]
+                   for r in range(replicas)]
+        for mb in range(microbatches):
+            summed = [torch.zeros_like(m) for m in masters]
+            for replica, (inputs, targets) in enumerate(batches):
+                model.zero_grad()
+                loss = loss_fn(kind, half, inputs[mb], targets[mb])
+                (loss / microbatches * scale).backward()
+                if overflow == (step, replica):
+                    model.get_parameter(FORCED).grad.view(-1)[0] = float("inf")
+                step_losses.append(loss.item())
+                for s, p in zip(summed, trainable):
+                    s += p.grad.float()
+            for t, s in zip(total, summed):
+                t += s / replicas
+        losses.append(sum(step_losses) / len(step_losses))
+        total = [t / scale for t in total]
+        if all(torch.isfinite(t).all() for t in total):
+            norms.append(_reference_step(masters, trainable, total, optimizer, clip, dtype))
+        else:
+            scale /= 2
+    return {"losses": losses, "norms": norms, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _checksum(model) -> float:
+    return sum(float(p.detach().double().sum()) for p in model.parameters())
+
+
+class SeedLoop:
+    """One rank of the seed's loop: `sw.init(config)`, the model, the user's optimizer and a @step function
+    whose microbatches call `after_backward(model)` right after `model.backward`."""
+
+    def __init__(self, config: dict, kind: str = "gpt2", optimizer: str = "adamw", freeze_key_bias: bool = True,
+                 **sizes):
+        sw.init(config)
+        self.kind = kind
+        self.model = sw.DistributedModel(build(kind, freeze_key_bias=freeze_key_bias, **sizes))
+        self.optimizer = sw.DistributedOptimizer(make_optimizer(optimizer, self.model.parameters()))
+        self.data = dataset(kind, STEPS * ROWS * sw.dp_size())
+        self.after_backward = lambda model: None
+        self.train_step = sw.step(self._microbatch)
+
+    def _microbatch(self, model, inputs, targets):
+        loss = loss_fn(self.kind, model, inputs, targets)
+        model.backward(loss)
+        self.after_backward(model)
+        return loss
+
+    def step(self, index: int) -> float | None:
+        """Optimizer step `index` on this rank's rows; returns the mean loss of its microbatches (None on a
+        pipeline stage that does not compute the loss)."""
+        self.optimizer.zero_grad()
+        batch = _rows(self.data, index, sw.dp_rank(), ROWS, sw.dp_size())
+        loss = self.train_step(self.model, *batch).reduce_mean()
+        self.optimizer.step()
+        return None if loss is None else loss.item()
+
+    def weights(self) -> dict:
+        return {k: v.clone() for k, v in self.model.full_state_dict().items()}
+
+
+def _force_inf(model) -> None:
+    dict(model.named_parameters())[FORCED].grad.view(-1)[0] = float("inf")
+
+
+def train_zero1(kind: str, config: dict, optimizer: str = "adamw", overflow: tuple[int, int] | None = None) -> dict:
+    """One rank of the seed's loop under `config`; `overflow` = (step, rank) forces an inf gradient there."""
+    loop = SeedLoop(config, kind, optimizer)
+    model, losses, skipped, norms = loop.model, [], [], []
+    for step in range(STEPS):
+        loop.after_backward = _force_inf if overflow == (step, sw.rank()) else (lambda model: None)
+        before = _checksum(model)
+        losses.append(loop.step(step))
+        skipped.append(_checksum(model) == before)
+        if loop.optimizer.grad_norm is not None and not skipped[-1]:
+            norms.append(float(loop.optimizer.grad_norm))
+    scaler = model.loss_scaler
+    return {"losses": losses, "norms": norms, "state": model.full_state_dict(), "skipped": skipped,
+            "scale": None if scaler is None else float(scaler.get_scale()),
+            "dtypes": {str(p.dtype) for p in model.parameters()},
+            "tensor_parallel": any(isinstance(p, DTensor) for p in model.parameters()),
+            "names": sorted(model.state_dict())}
+
+
+def _assert_same_math(ranks: list[dict], want: dict, loss_tol: float, param_tol: float,
+                      norm_tol: float = LOSS_TOLERANCE) -> None:
+    losses = torch.tensor([r["losses"] for r in ranks if r["losses"][0] is not None]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(want["losses"]), rtol=loss_tol, atol=0)
+    for result in ranks:  # the global gradient norm, where clipping computes it
+        assert result["norms"] == [] or result["norms"] == pytest.approx(want["norms"], rel=norm_tol)
+    names = set(want["state"])  # state_dict names stay the user's model's (a pipeline stage holds some)
+    assert set().union(*(r["names"] for r in ranks)) == names and all(set(r["names"]) <= names for r in ranks)
+    for rank, result in enumerate(ranks):
+        errors = {k: relative_error(result["state"][k], v) for k, v in want["state"].items()}
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= param_tol, f"rank {rank}: {worst} differs by {errors[worst]:.2e} (relative)"
+
+
+CASES = {
+    "bf16": {"bf16": True},
+    "bf16-microbatches-clipping": {"bf16": True, "microbatches": 2, "gradient_clipping": 0.5},
+    "fp16-microbatches-clipping": {"fp16": True, "microbatches": 2, "gradient_clipping": 0.5},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind", ["gpt2", "vit"])
+def test_matches_one_process_doing_the_same_mixed_precision(kind, case):
+    config = {"shard_optimizer_state": True, **CASES[case]}
+    ranks = run_distributed(train_zero1, WORLD, kind, config, timeout=300)
+    precision = "bf16" if config.get("bf16") else "fp16"
+    want = reference(kind, precision, microbatches=config.get("microbatches", 1),
+                     clip=config.get("gradient_clipping"))
+    _assert_same_math(ranks, want, LOSS_TOLERANCE, PARAM_TOLERANCE)
+    assert all(r["dtypes"] == {str(DTYPES[precision])} for r in ranks)
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
+    """An inf in one tensor's gradient on rank 2 reaches only that tensor's owner; every rank must still
+    skip step 1 and halve its loss scale, then train on as the reference does."""
+    ranks = run_distributed(train_zero1, WORLD, "gpt2", {"shard_optimizer_state": True, "fp16": True},
+                            overflow=(1, 2), timeout=300)
+    for result in ranks:
+        assert result["skipped"] == [False, True, False]
+        assert result["scale"] == INIT_SCALE / 2
+    _assert_same_math(ranks, reference("gpt2", "fp16", overflow=(1, 2)), LOSS_TOLERANCE, PARAM_TOLERANCE)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "vit"])
+def test_composes_with_tensor_parallelism(kind):
+    """TP 2 inside, ZeRO-1 over 2 replicas, SGD with momentum, clipping: each replica is one TP group
+    training on its two ranks' rows; parameters stay DTensors in bf16 with the user's names, and the
+    global norm counts each split piece once and each whole parameter once."""
+    config = {"tensor_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True, "gradient_clipping": 0.5}
+    ranks = run_distributed(train_zero1, WORLD, kind, config, "sgd", timeout=300)
+    _assert_same_math(ranks, reference(kind, "bf16", "sgd", replicas=2, rows=2 * ROWS, clip=0.5), 1e-3, 2e-2, 1e-2)
+    assert all(r["dtypes"] == {"torch.bfloat16"} and r["tensor_parallel"] for r in ranks)
+
+
+def test_composes_with_pipeline_parallelism():
+    """2 stages × 2 replicas, AdamW, clipping, the tied embedding and head on different stages (counted
+    once in the norm): bit for bit the reference on 2 replicas. (A schedule runs its microbatches itself,
+    so they accumulate in bf16 until optimizer.step() reduces them; one microbatch here.)"""
+    config = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True, "gradient_clipping": 0.5}
+    ranks = run_distributed(train_zero1, WORLD, "gpt2", config, timeout=300)
+    _assert_same_math(ranks, reference("gpt2", "bf16", replicas=2, clip=0.5), LOSS_TOLERANCE, PARAM_TOLERANCE)
+
+
+# ----- microbatch accumulation -----
+
+ACCUMULATION_ROWS, ACCUMULATION_SIZES = 64, {"layers": 2, "hidden": 64, "heads": 4}
+
+
+def _microbatch_gradients(model: nn.Module, dtype: torch.dtype, microbatches: int) -> list[list[torch.Tensor]]:
+    """Each microbatch's half-precision gradients (loss divided by the microbatches, as model.backward does)."""
+    inputs, targets = dataset("gpt2", ACCUMULATION_ROWS)[:]
+    grads = []
+    for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
+        model.zero_grad()
+        (loss_fn("gpt2", HalfPrecision(model, dtype), x, y) / microbatches).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    return grads
+
+
+def _fp32_sum(per_microbatch: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [sum(g.float() for g in grads) for grads in zip(*per_microbatch)]
+
+
+def _norm_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    diff = sum(float((g.double() - w.double()).norm()) ** 2 for g, w in zip(got, want))
+    return (diff / sum(float(w.double().norm()) ** 2 for w in want)) ** 0.5
+
+
+def test_half_precision_accumulation_loses_what_bf16_computes():
+    """Why microbatches accumulate in fp32: summing m microbatches' bf16 gradients in bf16 errs like √m and by
+    m = 32 exceeds the error of the bf16 forward and backward themselves (against the fp32 model on the
+    same weights). Prints docs/sharding.md's table."""
+    errors = {}
+    for name, dtype in DTYPES.items():
+        model = half_model("gpt2", dtype, **ACCUMULATION_SIZES)
+        exact = build("gpt2", freeze_key_bias=True, **ACCUMULATION_SIZES)  # fp32, on the rounded weights
+        exact.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+        loss_fn("gpt2", exact, *dataset("gpt2", ACCUMULATION_ROWS)[:]).backward()
+        own = _norm_error(_fp32_sum(_microbatch_gradients(model, dtype, 1)),
+                          [p.grad for p in exact.parameters() if p.requires_grad])
+        for m in (2, 4, 8, 32):
+            per = _microbatch_gradients(model, dtype, m)
+            half = [functools.reduce(torch.add, grads) for grads in zip(*per)]
+            errors[name, m] = _norm_error(half, _fp32_sum(per)) / own
+        print(f"\n{name}: own error {own:.1e}; half-precision accumulation / own: "
+              + ", ".join(f"m={m} {errors[name, m]:.2f}" for m in (2, 4, 8, 32)))
+    assert errors["bf16", 2] < errors["bf16", 8] < errors["bf16", 32] and errors["bf16", 32] > 0.5
+
+
+def accumulated_master_gradients(microbatches: int) -> float:
+    """One rank: the master gradients after one @step against the fp32 sum of the same microbatches'
+    bf16 gradients computed here by a plain copy of the model."""
+    config = {"shard_optimizer_state": True, "bf16": True, "microbatches": microbatches}
+    loop = SeedLoop(config, **ACCUMULATION_SIZES)
+    loop.train_step(loop.model, *dataset("gpt2", ACCUMULATION_ROWS)[:])
+    masters = [p.grad for group in loop.optimizer.param_groups for p in group["params"] if p.dtype == torch.float32]
+    plain = half_model("gpt2", torch.bfloat16, **ACCUMULATION_SIZES)
+    plain.load_state_dict(loop.model.state_dict())
+    return _norm_error(masters, _fp32_sum(_microbatch_gradients(plain, torch.bfloat16, microbatches)))
+
+
+def test_microbatches_accumulate_in_fp32_master_gradients():
+    """On one rank (all masters its own), eight microbatches' gradients sum in fp32: exactly the plain sum."""
+    assert run_distributed(accumulated_master_gradients, 1, 8, timeout=120) == [0.0]
+
+
+# ----- bytes -----
+
+SIZES = {"layers": 4, "hidden": 64, "heads": 4}
+
+
+def _by_name(tracker: MemTracker) -> dict[str, int]:
+    snapshot = tracker.get_tracker_snapshot()[torch.device("cpu")]
+    return {getattr(category, "value", category): int(value) for category, value in snapshot.items()}
+
+
+def measure_model_states(config: dict) -> dict:
+    """This rank's bytes after backward and after the second AdamW step (the first creates the moments)."""
+    loop = SeedLoop(config, freeze_key_bias=False, **SIZES)
+    masters = [p for group in loop.optimizer.param_groups for p in group["params"]]
+    loop.step(0)
+    tracker, snapshots = MemTracker(), {}
+    tracker.track_external(loop.model.get_module(), loop.optimizer.optimizer, *masters)  # masters count as "Other"
+    loop.after_backward = lambda model: snapshots.update(backward=_by_name(tracker))
+    with tracker:
+        loop.step(1)
+    snapshots["step"] = _by_name(tracker)
+    snapshots["owned"], snapshots["owned_tensors"] = sum(m.numel() for m in masters), len(masters)
+    snapshots["master_dtypes"] = {str(m.dtype) for m in masters}
+    return snapshots
+
+
+def test_model_states_per_rank_are_smps():
+    """Parameters 2a and gradients 2a on every rank; masters (4) and AdamW moments (8) for this rank's share
+    only, which ZeRO-1 deals in whole tensors: within 12 bytes × the largest tensor of 12a/n, and 12a over
+    all ranks (plus AdamW's 4-byte step counter per tensor). After the step the half-precision gradients
+    are gone (reduced into the masters, whose fp32 gradients are released)."""
+    config = {"shard_optimizer_state": True, "bf16": True}
+    ranks = run_distributed(measure_model_states, WORLD, config, timeout=300)
+    shapes = [p.shape for p in build("gpt2", **SIZES).parameters()]
+    a, largest = sum(s.numel() for s in shapes), max(s.numel() for s in shapes)
+    for rank, got in enumerate(ranks):
+        assert got["master_dtypes"] == {"torch.float32"}
+        assert got["step"]["Parameter"] == 2 * a, f"rank {rank}: parameters are not 2 bytes each"
+        assert got["backward"]["Gradient"] == 2 * a, f"rank {rank}: gradients are not 2 bytes each"
+        assert got["step"].get("Gradient", 0) == 0
+        optimizer = got["step"]["Optstate"] + got["step"]["Other"]
+        assert optimizer == 12 * got["owned"] + 4 * got["owned_tensors"], f"rank {rank}: optimizer {optimizer} bytes"
+        assert abs(12 * got["owned"] - 12 * a / WORLD) <= 12 * largest, f"rank {rank}: share {got['owned']} of {a}"
+    assert sum(r["owned"] for r in ranks) == a and sum(r["owned_tensors"] for r in ranks) == len(shapes)
+
+
+# ----- state, loading, errors -----
+
+
+def _distance(x: dict, y: dict) -> float:
+    return sum(float((x[k].double() - y[k].double()).norm()) ** 2 for k in y) ** 0.5
+
+
+def resume_and_errors() -> dict:
+    """Step twice, then rewind to the state saved after step 1 and redo step 2; load other weights after
+    the optimizer exists and step; meet the two user errors."""
+    loop = SeedLoop({"shard_optimizer_state": True, "bf16": True})
+    model, optimizer = loop.model, loop.optimizer
+    loop.step(0)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    loop.step(1)
+    first = loop.weights()
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    loop.step(1)
+    again = loop.weights()
+
+    other = {k: v.to(torch.bfloat16) for k, v in build("gpt2", freeze_key_bias=True, seed=99).state_dict().items()}
+    model.load_state_dict(other)
+    loop.step(0)
+    moved = loop.weights()
+    with pytest.raises(RuntimeError, match="reduces the gradients into fp32 master copies and clips those; set "
+                                           "gradient_clipping in the config instead"):
+        model.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match="holds 0 fp32 master tensors but this rank owns"):
+        optimizer.load_state_dict({**saved[1], "fp32_master_params": []})
+    return {"rewound": max(relative_error(again[k], v) for k, v in first.items()),
+            "to_loaded": _distance(moved, other), "to_replaced": _distance(moved, again)}
+
+
+def test_state_dict_resume_loaded_weights_and_errors():
+    """The optimizer's state_dict carries the fp32 masters: rewinding redoes step 2 bit for bit. Weights
+    loaded after the optimizer was built are where the next step starts. Clipping by hand and a state
+    saved for another layout are refused with the fix."""
+    for result in run_distributed(resume_and_errors, WORLD, timeout=300):
+        assert result["rewound"] == 0
+        assert result["to_loaded"] < 0.1 * result["to_replaced"], "the old masters overwrote the loaded weights"
