@@ -13,8 +13,10 @@ no shardwise that trains the same weights on the same global batches:
 
 fp32 with dropout off; the only differences left are summation order. Attention
 key biases are frozen (see tiny_models.py) because Adam amplifies their
-rounding-noise gradients. Mixed precision has no fp32 reference at 1e-5, so there
-ZeRO-1 is held to DDP's result instead.
+rounding-noise gradients. Mixed precision has no fp32 reference at 1e-5: DDP in
+bf16 is held to the fp32 one at bf16's rounding below, and ZeRO-1's half-precision
+replicas (fp16 loss scaling included) to a one-process mixed-precision reference
+in test_zero1_precision.py.
 """
 
 from __future__ import annotations
@@ -103,13 +105,12 @@ def test_matches_one_plain_process(kind, optimizer, mode):
         assert errors[worst] <= TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e} (relative)"
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_zero1_matches_ddp_in_mixed_precision_with_clipping(precision):
-    """ZeRO-1 changes only where optimizer states live: with the same autocast compute, loss scaling
-    (fp16) and global-norm clipping it must step exactly like DDP."""
-    config = {precision: True, "gradient_clipping": 0.5}
-    ddp = run_distributed(train_shardwise, WORLD, "gpt2", "sgd", config, timeout=180)[0]
-    zero1 = run_distributed(train_shardwise, WORLD, "gpt2", "sgd", config | {"shard_optimizer_state": True},
-                            timeout=180)[0]
-    assert zero1["losses"] == pytest.approx(ddp["losses"], rel=TOLERANCE)
-    assert max(relative_error(zero1["state"][k], v) for k, v in ddp["state"].items()) <= TOLERANCE
+def test_ddp_in_bf16_with_clipping_stays_within_bf16_rounding():
+    """DDP autocasts fp32 parameters to bf16 for compute: with global-norm clipping it trains the fp32
+    model up to bf16's rounding (measured: losses 4e-3, parameters 6e-3 relative)."""
+    want = reference("gpt2", "sgd", 0.5)
+    ranks = run_distributed(train_shardwise, WORLD, "gpt2", "sgd", {"bf16": True, "gradient_clipping": 0.5},
+                            timeout=180)
+    losses = torch.tensor([r["losses"] for r in ranks]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(want["losses"]), rtol=1e-2, atol=0)
+    assert max(relative_error(ranks[0]["state"][k], v) for k, v in want["state"].items()) <= 2e-2

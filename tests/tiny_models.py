@@ -41,13 +41,53 @@ def tiny_vit(layers: int = 2, hidden: int = 32, heads: int = 2) -> nn.Module:
     return ViTForImageClassification(config)
 
 
-BUILDERS = {"gpt2": tiny_gpt2, "vit": tiny_vit}
+def tiny_llama(layers: int = 2, hidden: int = 32, heads: int = 4) -> nn.Module:
+    """Llama-style: RMSNorm, rotary positions, grouped-query attention, SwiGLU, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads // 2, vocab_size=VOCAB,
+                         max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+class _Residual(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyStack(nn.Module):
+    """Not a Hugging Face model: token embedding, a list of residual MLP blocks, final norm and head."""
+
+    def __init__(self, layers: int = 2, hidden: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.blocks = nn.ModuleList(_Residual(hidden) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> dict:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return {"logits": self.head(self.norm(x))}
+
+
+BUILDERS = {"gpt2": tiny_gpt2, "vit": tiny_vit, "llama": tiny_llama, "stack": TinyStack}
+TEXT = ("gpt2", "llama", "stack")  # token models: next-token data and loss
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks (ViT's are `vit.layers` in transformers 5, `vit.encoder.layer` before)."""
     if hasattr(model, "transformer"):
         return model.transformer.h
+    if hasattr(model, "model"):  # Llama
+        return model.model.layers
+    if hasattr(model, "blocks"):  # TinyStack
+        return model.blocks
     vit = model.vit
     return vit.layers if hasattr(vit, "layers") else vit.encoder.layer
 
@@ -68,9 +108,9 @@ def build(kind: str, freeze_key_bias: bool = False, seed: int = SEED, **sizes) -
 
 
 def dataset(kind: str, rows: int, seed: int = SEED) -> TensorDataset:
-    """Synthetic (inputs, targets): random token rows for GPT-2, random images and labels for ViT."""
+    """Synthetic (inputs, targets): random token rows for GPT-2 and Llama, random images and labels for ViT."""
     g = torch.Generator().manual_seed(seed)
-    if kind == "gpt2":
+    if kind in TEXT:
         ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
         return TensorDataset(ids, ids.clone())
     images = torch.randn(rows, CHANNELS, IMAGE, IMAGE, generator=g)
@@ -78,9 +118,9 @@ def dataset(kind: str, rows: int, seed: int = SEED) -> TensorDataset:
 
 
 def loss_fn(kind: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy for GPT-2, classification cross-entropy for ViT."""
+    """Next-token cross-entropy for GPT-2 and Llama, classification cross-entropy for ViT."""
     logits = model(inputs)["logits"]
-    if kind == "gpt2":
+    if kind in TEXT:
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
     return F.cross_entropy(logits, targets)
 
@@ -98,10 +138,11 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     return OPTIMIZERS[name](params)
 
 
-def train_reference(kind: str, optimizer: str, steps: int, global_batch: int, clip: float | None = None) -> dict:
+def train_reference(kind: str, optimizer: str, steps: int, global_batch: int, clip: float | None = None,
+                    model: nn.Module | None = None, **sizes) -> dict:
     """One plain PyTorch process, no shardwise: `steps` steps on consecutive global batches,
-    clipping the gradient norm to `clip` if given."""
-    model = build(kind, freeze_key_bias=True)
+    clipping the gradient norm to `clip` if given; the model is `build(kind, **sizes)` unless given."""
+    model = build(kind, freeze_key_bias=True, **sizes) if model is None else model
     opt = make_optimizer(optimizer, model.parameters())
     data = dataset(kind, steps * global_batch)
     losses = []

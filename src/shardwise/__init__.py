@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "data_loader": "api.data",
+    "delay_param_initialization": "api.delayed_init",
     "DistributedModel": "api.model",
     "DistributedOptimizer": "api.optimizer",
     "StepOutput": "api.step",

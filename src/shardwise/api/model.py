@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -31,12 +32,14 @@ class DistributedModel(nn.Module):
             raise TypeError(f"DistributedModel expects a torch.nn.Module, got {type(module).__name__}")
         runtime = current("shardwise.DistributedModel")
         self._runtime = runtime
-        if runtime.config.pipeline_parallel_degree == 1:  # a pipeline stage moves only its own part
-            module.to(runtime.device)
         self._parallel = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan)
         self.module = self._parallel.module
-        self._autocast = not isinstance(self.module, FSDPModule)  # FSDP2 modules cast by their own policy
+        # FSDP2 modules cast by their own policy, ZeRO-1's half-precision replicas by hooks alike
+        self._autocast = not (isinstance(self.module, FSDPModule) or runtime.config.sharded_master_weights)
         self.loss_scaler = precision.loss_scaler(runtime.config, runtime.device)
+        # Set by a DistributedOptimizer that reduces gradients itself (ZeRO-1 in bf16/fp16): run after
+        # every @step microbatch's backward.
+        self.after_microbatch: Optional[Callable[[], None]] = None
         runtime.model = self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -48,8 +51,12 @@ class DistributedModel(nn.Module):
     def get_module(self) -> nn.Module:
         return self._parallel.inner
 
+    @contextlib.contextmanager
     def microbatch_context(self, last: bool):
-        return self._parallel.microbatch_context(last)
+        with self._parallel.microbatch_context(last):
+            yield
+        if self.after_microbatch is not None and torch.is_grad_enabled():
+            self.after_microbatch()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`, averaged over the microbatches of the current @step (and loss-scaled in fp16)."""
@@ -73,9 +80,16 @@ class DistributedModel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every shard of every gradient; returns the norm before clipping."""
+        if self._runtime.config.sharded_master_weights:
+            raise RuntimeError("under ZeRO-1 in bf16/fp16 optimizer.step() reduces the gradients into fp32 master "
+                               "copies and clips those; set gradient_clipping in the config instead")
         if isinstance(self._parallel, PipelineParallel):  # counts the other stages' gradients too
             return self._parallel.clip_grad_norm_(max_norm)
         return clip_grad_norm_(self.parameters(), max_norm)
+
+    def tied_copies(self) -> set[int]:
+        """ids of the parameters that copy a weight tied across pipeline stages: a global norm skips them."""
+        return self._parallel.ties.duplicates() if isinstance(self._parallel, PipelineParallel) else set()
 
     # Names as the user's module has them (no "module." prefix from the wrapper).
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -86,7 +100,8 @@ class DistributedModel(nn.Module):
         return self.get_module().parameters(recurse)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's state dict (sharded tensors are DTensors); see `full_state_dict` for whole tensors."""
+        """This rank's state dict (sharded tensors are DTensors; under pipeline parallelism only this rank's
+        stages, still named as in the unsplit model); see `full_state_dict` for the whole model."""
         return self.get_module().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
@@ -94,4 +109,7 @@ class DistributedModel(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer as a whole tensor on every rank, named as in the user's module."""
-        return get_model_state_dict(self.get_module(), options=StateDictOptions(full_state_dict=True))
+        state = get_model_state_dict(self.get_module(), options=StateDictOptions(full_state_dict=True))
+        if isinstance(self._parallel, PipelineParallel):  # add the other stages' parts
+            return self._parallel.gather_stages(state)
+        return state

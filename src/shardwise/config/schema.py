@@ -11,6 +11,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules that run one stage per rank
+
 
 class ShardwiseConfig(BaseModel):
     """Validated settings. Defaults give pure data parallelism in fp32."""
@@ -36,8 +38,9 @@ class ShardwiseConfig(BaseModel):
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"] = Field(
         "1f1b", description="Pipeline schedule (torch.distributed.pipelining); interleaved and zero-bubble ones "
         "run virtual_stages stages per rank.")
-    virtual_stages: int = Field(1, ge=1, description="Pipeline stages per rank: 1 for gpipe/1f1b, 2 or more for "
-                                "interleaved schedules, 2 for zbv_zero_bubble.")
+    virtual_stages: Optional[int] = Field(None, ge=1, description="Pipeline stages per rank: 1 for gpipe/1f1b, "
+                                          "1 or more for interleaved schedules, 2 for zbv_zero_bubble. Unset: 1 for "
+                                          "gpipe/1f1b, else 2.")
     pipeline_balance: Literal["parameters", "compute"] = Field(
         "parameters", description="What the automatic stage split balances: parameter count, or matmul compute "
         "(embedding lookups count as free).")
@@ -48,9 +51,12 @@ class ShardwiseConfig(BaseModel):
     prescaled_batch: bool = Field(False, description="Ranks of a tensor-parallel group share one tp_size-times larger batch.")
     offload_activations: bool = Field(False, description="Move checkpointed activations to host memory.")
     activation_loading_horizon: int = Field(4, ge=1, description="Offloaded activations prefetched ahead in backward.")
-    delayed_parameter_initialization: bool = Field(False, description="Build the model on the meta device and materialise shards only.")
+    delayed_parameter_initialization: bool = Field(
+        False, description="sw.delay_param_initialization() builds the model on the meta device; DistributedModel "
+        "materialises only what this rank runs (its pipeline stages).")
     bf16: bool = Field(False, description="bfloat16 compute, fp32 master weights and gradient reduction.")
-    fp16: bool = Field(False, description="float16 compute with dynamic loss scaling, fp32 master weights.")
+    fp16: bool = Field(False, description="float16 compute with dynamic loss scaling, fp32 master weights and "
+                       "gradient reduction.")
     gradient_clipping: Optional[float] = Field(None, gt=0, description="Global gradient-norm clip applied by optimizer.step().")
     auto_wrap_min_params: int = Field(
         10_000_000,
@@ -67,6 +73,13 @@ class ShardwiseConfig(BaseModel):
         return 3 if self.sharded_data_parallel_degree > 1 else 0
 
     @property
+    def stages_per_rank(self) -> int:
+        """`virtual_stages`, or its default for the schedule."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 1 if self.pipeline_schedule in SINGLE_STAGE_SCHEDULES else 2
+
+    @property
     def pipeline_round(self) -> int:
         """Microbatches the pipeline schedule runs at once: `active_microbatches` bounds those in flight,
         and 1f1b never has more than pipeline_parallel_degree in flight anyway."""
@@ -74,6 +87,12 @@ class ShardwiseConfig(BaseModel):
         if self.pipeline_schedule == "1f1b" and active >= self.pipeline_parallel_degree:
             return self.microbatches
         return active
+
+    @property
+    def sharded_master_weights(self) -> bool:
+        """ZeRO-1 in bf16/fp16: replicas keep parameters and gradients in the compute dtype, and each rank
+        fp32 master copies of only its share (parallel/master_weights.py; the planner models the same)."""
+        return self.effective_zero_stage == 1 and self.dtype_name != "fp32"
 
     @property
     def dtype_name(self) -> str:
@@ -88,7 +107,5 @@ def unavailable_features(config: ShardwiseConfig) -> list[tuple[str, object]]:
     """(key, value) of settings whose feature this release cannot run yet."""
     pending = {
         "offload_activations": config.offload_activations,
-        # Built for pipeline stages so far (see docs/pipeline.md), not yet for a whole model.
-        "delayed_parameter_initialization": config.delayed_parameter_initialization and config.pipeline_parallel_degree == 1,
     }
     return [(key, getattr(config, key)) for key, used in pending.items() if used]

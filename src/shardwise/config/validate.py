@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping
 from pydantic import ValidationError
 
 from .errors import ConfigError, Problem, did_you_mean
+from .pipeline import pipeline_problems
 from .schema import ShardwiseConfig, field_names, unavailable_features
 from .sources import ConfigSource, load_dict
 
@@ -61,6 +62,7 @@ def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
         yield Problem("shard_optimizer_state", True,
                       "conflicts with sharded_data_parallel_degree > 1 (which already shards optimizer states)",
                       "drop shard_optimizer_state, or set sharded_data_parallel_degree to 1")
+    yield from pipeline_problems(c)
 
 
 def parse_config(data: Mapping[str, Any]) -> ShardwiseConfig:

@@ -1,4 +1,4 @@
-"""Data parallelism over the dp axes: DDP, ZeRO-2, ZeRO-3 and MiCS (ZeRO-1 lives with the optimizer).
+"""Data parallelism over the dp axes: DDP, ZeRO-2, ZeRO-3 and MiCS (ZeRO-1's sharding lives with the optimizer).
 
 ZeRO-2/3 use FSDP2 (`fully_shard`) on the `dp_shard` axis; with `dp_replicate`
 > 1 the 2-D mesh makes it hybrid sharding, which is MiCS: parameters are
@@ -9,7 +9,7 @@ gradient all-reduce crosses groups.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from typing import Callable, ContextManager, Optional
 
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -35,7 +35,7 @@ class DataParallel:
 
 
 class Replicated(DataParallel):
-    """DDP (ZeRO-0 and ZeRO-1): full replicas, gradients all-reduced once per step.
+    """DDP (ZeRO-0, and ZeRO-1 in fp32): full replicas, gradients all-reduced once per step.
 
     Tensor-parallel parameters are DTensors, which `DistributedDataParallel`
     cannot bucket, and a pipeline stage's backward runs piecewise under its
@@ -71,19 +71,33 @@ def _dp_mesh(mesh: ParallelMesh, hybrid: bool) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard"]
 
 
-def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig) -> DataParallel:
-    """Wrap `model` for the configured ZeRO stage over the data-parallel axes of `mesh`."""
+def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig,
+                        reshard_after_forward: bool = True,
+                        before_shard: Optional[Callable[[nn.Module], None]] = None) -> DataParallel:
+    """Wrap `model` for the configured ZeRO stage over the data-parallel axes of `mesh`.
+
+    `reshard_after_forward=False` keeps ZeRO-3's gathered parameters until the end of
+    backward, as ZeRO-2 does (a pipeline schedule that splits backward needs them).
+    ZeRO-2/3 call `before_shard` on every sharding unit, then the root, right before
+    sharding it (delayed initialisation materialises them there).
+    """
     stage = config.effective_zero_stage
     if stage >= 2:
         hybrid = mesh["dp_replicate"].size() > 1
         dp_mesh = _dp_mesh(mesh, hybrid)
-        reshard = stage == 3
+        reshard = stage == 3 and reshard_after_forward
+        prepare = before_shard or (lambda unit: None)
         for unit in sharding_units(model, config.auto_wrap_min_params):
+            prepare(unit)
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard,
                         mp_policy=precision.sharded_policy(config, root=False))
+        prepare(model)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard,
                     mp_policy=precision.sharded_policy(config, root=True))
         return Sharded(model, hybrid)  # fully_shard turned `model` into an FSDPModule in place
+    if config.sharded_master_weights:  # ZeRO-1 in bf16/fp16: the optimizer reduces gradients (master_weights.py)
+        precision.store_in_compute_dtype(model, config)
+        return Replicated(model, model)
     rdp_mesh = mesh["rdp"]
     if rdp_mesh.size() == 1:
         return Replicated(model, model)

@@ -8,10 +8,8 @@ schedules are torch.distributed.pipelining's. See docs/pipeline.md.
 """
 
 from .apply import apply_pipeline
-from .materialize import materialize
 from .partition import Partition, find_blocks, partition
 from .runner import PipelineParallel
 from .schedule import SCHEDULES, stage_ranks
 
-__all__ = ["SCHEDULES", "Partition", "PipelineParallel", "apply_pipeline", "find_blocks", "materialize", "partition",
-           "stage_ranks"]
+__all__ = ["SCHEDULES", "Partition", "PipelineParallel", "apply_pipeline", "find_blocks", "partition", "stage_ranks"]

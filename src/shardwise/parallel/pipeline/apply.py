@@ -1,46 +1,32 @@
 """`apply_pipeline`: cut the user's model into stages and give this rank its own.
 
 Order: partition (printed on rank 0) → untie weights shared across stages →
-drop what other ranks hold → give this rank's part storage (initialising it when
-the model was built on the meta device) → one view per local stage → tensor
-parallel on the stages (a plan reduced to the modules they hold) → data
-parallel / sharding per stage module → `PipelineStage`s and the schedule.
+drop what other ranks hold → place this rank's part on its device (initialising
+it there when the model was built on the meta device) → one view per local
+stage → tensor parallel on the stages (a plan reduced to the modules they hold)
+→ data parallel / sharding per stage module → `PipelineStage`s and the schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
 
 from ...config.schema import ShardwiseConfig
 from ...runtime.mesh import ParallelMesh
 from .. import precision
+from ..materialize import place
 from ..sharding import apply_data_parallel
 from ..tensor import PlanLike, TensorParallelBatch, TensorParallelPlan, apply_tensor_parallel, plan_for
 from ..tensor.plan import match
-from .materialize import has_meta, materialize
 from .partition import partition
 from .runner import PipelineParallel
-from .schedule import build_schedule, stage_ranks
+from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
 from .stage import Elsewhere, StageModule, prune, stage_view
 from .ties import TiedWeights
-
-
-def _device(mesh: ParallelMesh) -> torch.device:
-    kind = mesh.world.device_type
-    return torch.device(kind) if kind == "cpu" else torch.device(kind, torch.accelerator.current_device_index())
-
-
-def _agreed_seed(device: torch.device) -> int:
-    """Rank 0's seed, so that every rank initialises a module alike."""
-    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=device)
-    dist.broadcast(seed, src=0)
-    return int(seed.item())
 
 
 def stage_plan(model: nn.Module, plan: PlanLike = None) -> TensorParallelPlan:
@@ -59,18 +45,15 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig
     """Reduce `model` in place to this rank's pipeline stages and return what runs them."""
     pp_mesh = mesh["pp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    total = pp * config.virtual_stages
-    part = partition(model, total, config.pipeline_balance, config.pipeline_split_points, config.virtual_stages)
+    total = pp * config.stages_per_rank
+    part = partition(model, total, config.pipeline_balance, config.pipeline_split_points, config.stages_per_rank)
     ranks = stage_ranks(config.pipeline_schedule, pp, total)
     if dist.get_rank() == 0:
         print(part.describe(ranks), flush=True)
     local = [s for s in range(total) if ranks[s] == pp_rank]
     ties = TiedWeights(model, part, local)
     prune(model, part, local)
-    device = _device(mesh)
-    if has_meta(model):
-        materialize(model, device, _agreed_seed(device))
-    model.to(device)
+    device = place(model, mesh)
     ties.connect(mesh.layout, dist.get_rank(), ranks)
     ties.broadcast_values()
     stages = [StageModule(stage_view(model, part, s), part, s) for s in local]
@@ -80,13 +63,16 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig
             TensorParallelBatch(mesh["tp"], config.prescaled_batch).install(stage.module)
     wrapped = []
     for stage in stages:
-        dp = apply_data_parallel(stage, mesh, config)
-        if not isinstance(dp.module, FSDPModule):  # FSDP2 casts by its own policy
+        # A schedule that splits backward in two needs a stage's gathered parameters between the halves.
+        dp = apply_data_parallel(stage, mesh, config,
+                                 reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
+        # FSDP2 casts by its own policy, ZeRO-1's half-precision parameters by hooks alike (as without stages)
+        if not (isinstance(dp.module, FSDPModule) or config.sharded_master_weights):
             stage.precision = lambda: precision.autocast(config, device)
         stage.install_hooks()
         wrapped.append(dp.module)
     runner = PipelineParallel(model, stages, wrapped, ties, config, pp_mesh.get_group())
-    pipeline_stages = [PipelineStage(module, stage.index, total, device, group=pp_mesh.get_group())
+    pipeline_stages = [EvalSafeStage(module, stage.index, total, device, group=pp_mesh.get_group())
                        for module, stage in zip(wrapped, stages)]
     runner.schedule = build_schedule(config.pipeline_schedule, pipeline_stages, config.pipeline_round, runner.loss)
     return runner

@@ -53,7 +53,8 @@ def as_keywords(forward: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as err:
-        raise TypeError(f"the @step function called the model with arguments its forward does not take: {err}") from None
+        raise TypeError(f"the @step function called the model with arguments its forward does not take: "
+                        f"{err}") from None
     named: dict[str, Any] = {}
     for name, value in bound.arguments.items():
         kind = signature.parameters[name].kind
@@ -91,11 +92,15 @@ class OutputsModel(_Stand):
 
     def __init__(self, model: nn.Module, outputs: Any):
         super().__init__(model)
-        self.outputs = outputs
+        self.outputs: Optional[Any] = outputs
         self.loss: Optional[torch.Tensor] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.outputs
+        if self.outputs is None:
+            raise RuntimeError("under pipeline parallelism the @step function may call model(...) only once per "
+                               "microbatch: the pipeline runs the one call it recorded")
+        outputs, self.outputs = self.outputs, None
+        return outputs
 
     def backward(self, loss: torch.Tensor) -> None:
         self.loss = self._model.scaled_loss(loss)

@@ -48,12 +48,14 @@ class Partition:
     def describe(self, stage_ranks: Sequence[int]) -> str:
         """One line per stage, e.g. 'stage 0 (pp rank 0): transformer.wte, transformer.h.0-1 — 1.2M params'."""
         how = "at the configured split points" if self.balance == "split points" else f"balanced by {self.balance}"
-        lines = [f"pipeline partition of {self.blocks.path} ({self.blocks.count} blocks) into {self.stages} stages, {how}:"]
+        lines = [f"pipeline partition of {self.blocks.path} ({self.blocks.count} blocks) into {self.stages} stages, "
+                 f"{how}:"]
         for stage, ((start, stop), cost) in enumerate(zip(self.bounds, self.costs)):
             parts = list(self.blocks.before) if stage == 0 else []
             parts.append(f"{self.blocks.path}.{start}" + (f"-{stop - 1}" if stop - start > 1 else ""))
             parts += list(self.blocks.after) if stage == self.stages - 1 else []
-            lines.append(f"  stage {stage} (pp rank {stage_ranks[stage]}): {', '.join(parts)} — {cost / 1e6:.3g}M {self.unit}")
+            lines.append(f"  stage {stage} (pp rank {stage_ranks[stage]}): {', '.join(parts)} — "
+                         f"{cost / 1e6:.3g}M {self.unit}")
         return "\n".join(lines)
 
 
@@ -76,8 +78,8 @@ def find_blocks(model: nn.Module) -> Blocks:
         raise ValueError(f"pipeline parallelism needs a sequence of repeated blocks (an nn.ModuleList of same-type "
                          f"modules), and {type(model).__name__} has none")
     path, blocks = max(lists, key=lambda item: _count(item[1]))
-    before: list[str] = []
-    after: list[str] = []
+    before: list[list[str]] = []  # per depth, outermost first
+    after: list[list[str]] = []
     parts = path.split(".")
     for depth in range(len(parts)):
         prefix = ".".join(parts[:depth])
@@ -86,13 +88,14 @@ def find_blocks(model: nn.Module) -> Blocks:
             raise ValueError(f"pipeline parallelism cannot place the parameters that sit directly on "
                              f"{prefix or 'the model root'} ({type(owner).__name__}), which encloses the blocks "
                              f"{path}; move them into a submodule")
-        side = before
-        for name, child in owner.named_children():
-            if name == parts[depth]:
-                side = after
-            elif _count(child):
-                side.append(f"{prefix}.{name}" if prefix else name)
-    return Blocks(path, len(blocks), tuple(before), tuple(after))
+        names = [name for name, _ in owner.named_children()]
+        cut = names.index(parts[depth])
+        held = [f"{prefix}.{name}" if prefix else name for name in names if _count(getattr(owner, name))]
+        before.append([p for p in held if names.index(p.rpartition(".")[2]) < cut])
+        after.append([p for p in held if names.index(p.rpartition(".")[2]) > cut])
+    # The forward runs inner modules after the blocks before outer ones (a final norm, then the head).
+    return Blocks(path, len(blocks), tuple(p for level in before for p in level),
+                  tuple(p for level in reversed(after) for p in level))
 
 
 def module_cost(module: nn.Module, balance: str) -> int:
@@ -135,11 +138,13 @@ def partition(model: nn.Module, stages: int, balance: str = "parameters",
     blocks = find_blocks(model)
     n = blocks.count
     if stages > n:
-        raise ConfigError([Problem(PP_KEY, stages // virtual_stages,
-                                   f"needs at least one block per stage: {stages} stages "
-                                   f"({stages // virtual_stages} × virtual_stages {virtual_stages}) but "
-                                   f"{blocks.path} has {n} blocks",
-                                   f"use at most {n} stages in all")])
+        pp = stages // virtual_stages
+        if virtual_stages == 1:
+            raise ConfigError([Problem(PP_KEY, pp, f"cuts {blocks.path} into {stages} stages of at least one block "
+                                       f"each, but it has {n} blocks", f"use a {PP_KEY} of at most {n}")])
+        raise ConfigError([Problem(PP_KEY, pp, f"× virtual_stages {virtual_stages} cuts {blocks.path} into {stages} "
+                                   f"stages of at least one block each, but it has {n} blocks",
+                                   f"make {PP_KEY} × virtual_stages at most {n}")])
     block_list = model.get_submodule(blocks.path)
     costs = [module_cost(b, balance) for b in block_list]
     first = sum(module_cost(model.get_submodule(p), balance) for p in blocks.before)
@@ -150,7 +155,7 @@ def partition(model: nn.Module, stages: int, balance: str = "parameters",
             raise ConfigError([Problem(SPLIT_KEY, points,
                                        f"must be {stages - 1} increasing block indices between 1 and {n - 1} "
                                        f"({blocks.path} has {n} blocks, cut into {stages} stages)",
-                                       "give the first block index of every stage but the first")])
+                                       "give the index of the first block of every stage but the first")])
         edges = [0, *points, n]
     else:
         edges = [0]

@@ -9,7 +9,6 @@ reductions add up to the same gradients as one reduction at the end.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import torch
@@ -63,9 +62,6 @@ class PipelineParallel:
         self.schedule: Any = None  # set by apply_pipeline once the PipelineStages exist
         self._step: Optional[dict[str, Any]] = None  # the @step call being run
 
-    def microbatch_context(self, last: bool):
-        return nullcontext()
-
     def run_step(self, model: nn.Module, fn: Callable, pieces: list[tuple[tuple, dict]]) -> list[Any]:
         """Run one @step batch through the pipeline; the per-microbatch results of `fn` on the last stage."""
         forward = self.inner.forward
@@ -116,3 +112,22 @@ class PipelineParallel:
         skip = self.ties.duplicates()
         return clip_grad_norm_(self.inner.parameters(), max_norm, across=self.pp_group,
                                counted=lambda p: id(p) not in skip)
+
+    @torch.no_grad()
+    def gather_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` (this rank's stages) joined with every other stage's, on every rank of the pp group.
+
+        Each tensor comes from the first pp rank holding it (buffers of modules every stage runs are alike).
+        """
+        group = self.pp_group
+        me = dist.get_group_rank(group, dist.get_rank())
+        held: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(held, {name: (t.shape, t.dtype) for name, t in state.items()}, group=group)
+        device = next(iter(state.values())).device
+        merged: dict[str, torch.Tensor] = {}
+        for source, names in enumerate(held):
+            for name, (shape, dtype) in names.items():
+                if name not in merged:
+                    merged[name] = state[name] if source == me else torch.empty(shape, dtype=dtype, device=device)
+                    dist.broadcast(merged[name], group=group, group_src=source)
+        return merged

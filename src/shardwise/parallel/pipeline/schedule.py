@@ -10,6 +10,10 @@
 
 Looped: stage s runs on pp rank s % pp. V-shaped: rank r runs stages r and
 2·pp-1-r, so the first and the last stage share rank 0.
+
+torch's 1F1B needs at least as many microbatches per round as stages; a round
+of fewer (`active_microbatches` < pipeline_parallel_degree) runs as GPipe, whose
+first stage then holds exactly that round in flight, as 1F1B's would.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+from ...config.schema import SINGLE_STAGE_SCHEDULES as SINGLE_STAGE
+
+# Schedules that split backward into an input-gradient and a later weight-gradient pass.
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -34,7 +42,21 @@ SCHEDULES: dict[str, type] = {
     "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
     "zbv_zero_bubble": ScheduleZBVZeroBubble,
 }
-_SINGLE = ("gpipe", "1f1b")
+
+
+class EvalSafeStage(PipelineStage):
+    """torch's `PipelineStage`, able to run a V-shaped schedule's evaluation pass.
+
+    A V-shaped schedule hands gradients between a rank's two stages directly, and
+    torch (2.13) asserts a backward pass in that hand-over even under `eval()`.
+    """
+
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
 
 def stage_ranks(name: str, pp: int, stages: int) -> list[int]:
@@ -47,20 +69,17 @@ def stage_ranks(name: str, pp: int, stages: int) -> list[int]:
 def build_schedule(name: str, stages: list[PipelineStage], microbatches: int,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
     """Gradients are not rescaled by the schedule: the loss arrives already divided by the microbatches."""
-    target = stages[0] if name in _SINGLE else stages
-    return SCHEDULES[name](target, microbatches, loss_fn=loss_fn, scale_grads=False)
+    if name not in SINGLE_STAGE:
+        return SCHEDULES[name](stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    if name == "1f1b" and microbatches < stages[0].num_stages:
+        name = "gpipe"
+    return SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def run(schedule: _PipelineSchedule, train: bool, target: Any, kwargs: dict[str, Any]) -> None:
-    """One pass over a round of microbatches; outputs go to `loss_fn`, none are merged or returned.
-
-    Evaluation flips the schedule's backward flag itself, as `schedule.eval()` does,
-    because `eval()` also merges the last stage's outputs, which fails for scalar
-    outputs (a loss computed from `labels=`) and keeps every microbatch's logits.
-    """
-    saved = schedule._has_backward
-    schedule._has_backward = saved and train
-    try:
+    """One pass over a round of microbatches; outputs go to `loss_fn`, none are merged or returned
+    (merging fails for scalar outputs, such as a loss computed from `labels=`, and keeps every logit)."""
+    if train:
         schedule.step(target=target, return_outputs=False, **kwargs)
-    finally:
-        schedule._has_backward = saved
+    else:
+        schedule.eval(target=target, return_outputs=False, **kwargs)

@@ -4,13 +4,19 @@ A stage is the model with only some of its blocks: the block list keeps just
 this stage's blocks (under their original indices, so parameter names stay
 those of the unsplit model), and every module with parameters that another
 stage holds is replaced by an `Elsewhere` stand-in without parameters. The
-model's `forward` then runs as written; two hooks make it a stage:
+model's `forward` then runs as written, from its first line to its last; two
+hooks make it a stage:
 
 - after the first stage, a pre-hook on the stage's first block swaps in the
   hidden states received from the previous stage (what the stand-in embeddings
   computed is dropped);
-- before the last stage, a hook on the stage's last block ends the forward and
-  returns that block's output, to be sent to the next stage.
+- before the last stage, a hook on the stage's last block keeps that block's
+  output, which is what the stage sends on. The rest of the forward runs on
+  stand-ins whose outputs cost no memory (a `labels` input is not passed there,
+  so a Hugging Face model computes its loss on the last stage only).
+
+The forward is never cut short by an exception, so every module's forward
+hooks run in pairs, as FSDP's and torch's memory and FLOP trackers expect.
 
 The last stage returns the model's outputs flattened to tensors (what
 `torch.distributed.pipelining` can handle) and `StageModule.rebuild` restores
@@ -46,22 +52,28 @@ class Elsewhere(nn.Module):
     """Stands in for a module another stage holds: no parameters; returns zeros shaped like its output.
 
     Stand-ins for the embeddings let the model's forward run up to the first
-    block (which then gets the received hidden states); stand-ins for the head
-    are never reached, since the forward ends at the stage's last block.
+    block (which then gets the received hidden states). Stand-ins for what comes
+    after the blocks (`free`) return a zero expanded to the output's shape, which
+    takes no memory however large the output (a vocabulary's logits).
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, free: bool = False):
         super().__init__()
         self._shape_of = (_meta_copy(module),)  # in a tuple, so not registered: its parameters are not ours
         self.holds = type(module).__name__
+        self.free = free
+
+    def _zeros(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if self.free:
+            return torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = tensors[0].device if tensors else torch.get_default_device()
         meta_args, meta_kwargs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
         shaped = self._shape_of[0](*meta_args, **meta_kwargs)
-        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
-                        if isinstance(t, torch.Tensor) else t, shaped)
+        return tree_map(lambda t: self._zeros(t, device) if isinstance(t, torch.Tensor) else t, shaped)
 
     def extra_repr(self) -> str:
         return f"{self.holds} held by another pipeline stage"
@@ -76,6 +88,15 @@ def _block_list(root: nn.Module, blocks: Blocks) -> nn.Module:
     return root.get_submodule(blocks.path)
 
 
+def _stand_in_ends(root: nn.Module, part: Partition, held: list[int]) -> None:
+    """Replace the modules around the blocks that belong to stages not in `held` by stand-ins."""
+    for end, paths, free in ((0, part.blocks.before, False), (part.stages - 1, part.blocks.after, True)):
+        if end not in held:
+            for path in paths:
+                if not isinstance(root.get_submodule(path), Elsewhere):
+                    _replace(root, path, Elsewhere(root.get_submodule(path), free))
+
+
 def prune(model: nn.Module, part: Partition, stages: list[int]) -> None:
     """Keep in `model` only what `stages` hold: their blocks, and the end modules if they hold an end."""
     keep = {i for s in stages for i in range(*part.bounds[s])}
@@ -83,10 +104,7 @@ def prune(model: nn.Module, part: Partition, stages: list[int]) -> None:
     for key in list(block_list._modules):
         if int(key) not in keep:
             del block_list._modules[key]  # not `del block_list[i]`, which renumbers the rest
-    ends = ([] if 0 in stages else list(part.blocks.before)) + \
-           ([] if part.stages - 1 in stages else list(part.blocks.after))
-    for path in ends:
-        _replace(model, path, Elsewhere(model.get_submodule(path)))
+    _stand_in_ends(model, part, stages)
 
 
 def _fork(module: nn.Module) -> nn.Module:
@@ -108,26 +126,11 @@ def stage_view(model: nn.Module, part: Partition, stage: int) -> nn.Module:
     start, stop = part.bounds[stage]
     blocks._modules = {key: block for key, block in blocks._modules.items() if start <= int(key) < stop}
     node._modules[names[-1]] = blocks
-    if stage != 0:
-        for path in part.blocks.before:
-            if not isinstance(root.get_submodule(path), Elsewhere):
-                _replace(root, path, Elsewhere(root.get_submodule(path)))
-    if stage != part.stages - 1:
-        for path in part.blocks.after:
-            if not isinstance(root.get_submodule(path), Elsewhere):
-                _replace(root, path, Elsewhere(root.get_submodule(path)))
+    _stand_in_ends(root, part, [stage])
     return root
 
 
 _TENSOR = object()  # marks where a tensor goes back into the last stage's output structure
-
-
-class _StageDone(Exception):
-    """Ends the model's forward after the stage's last block, carrying that block's output."""
-
-    def __init__(self, hidden: torch.Tensor):
-        super().__init__()
-        self.hidden = hidden
 
 
 class StageModule(nn.Module):
@@ -141,15 +144,16 @@ class StageModule(nn.Module):
         self.is_last = index == part.stages - 1
         self._blocks = list(_block_list(view, part.blocks))
         self._received: torch.Tensor | None = None
+        self._sent: torch.Tensor | None = None
         self._template: tuple[Any, list[Any]] | None = None
         self.precision: Callable[[], ContextManager] = contextlib.nullcontext
 
     def install_hooks(self) -> None:
-        """Call after data-parallel wrapping, so ours run outside the wrappers' own block hooks."""
+        """Call after data-parallel wrapping: the swap must run before FSDP's own pre-hook casts the inputs."""
         if not self.is_first:
             self._blocks[0].register_forward_pre_hook(self._feed, with_kwargs=True, prepend=True)
         if not self.is_last:
-            self._blocks[-1].register_forward_hook(self._finish)
+            self._blocks[-1].register_forward_hook(self._keep)
 
     def _feed(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._received is None:
@@ -158,18 +162,24 @@ class StageModule(nn.Module):
             return (self._received, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": self._received}
 
-    def _finish(self, module: nn.Module, args: tuple, output: Any) -> None:
-        raise _StageDone(output[0] if isinstance(output, (tuple, list)) else output)
+    def _keep(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._sent = output[0] if isinstance(output, (tuple, list)) else output
 
     def forward(self, *received: torch.Tensor, **inputs: Any) -> Any:
         self._received = received[0] if received else None
+        if not self.is_last:
+            inputs.pop("labels", None)
         try:
             with self.precision():
                 outputs = self.module(**inputs)
-        except _StageDone as done:
-            return done.hidden
         finally:
             self._received = None
+        if not self.is_last:
+            sent, self._sent = self._sent, None
+            if sent is None:
+                raise RuntimeError(f"pipeline stage {self.index}: the model's forward did not call its last block "
+                                   f"({type(self._blocks[-1]).__name__}); the blocks must run in order, every one")
+            return sent
         leaves, spec = tree_flatten(outputs)
         self._template = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
         tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))

@@ -1,4 +1,4 @@
-"""Delayed initialisation: a model built on the meta device gets storage only for this rank's stages.
+"""Delayed initialisation: a model built on the meta device gets storage only where it runs.
 
 Values come from the model's own initialiser — a Hugging Face model's
 `_init_weights` (which also recomputes buffers such as rotary tables), else each
@@ -14,7 +14,10 @@ import zlib
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from ..runtime.mesh import ParallelMesh
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -43,8 +46,15 @@ def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
-    """Give every meta parameter and buffer of `module` storage on `device` and initialise it."""
+def materialize(module: nn.Module, device: torch.device, seed: int, root: Optional[nn.Module] = None) -> None:
+    """Give every meta parameter and buffer of `module` storage on `device` and initialise it.
+
+    `root` is the model `module` is a part of (default: `module` itself); names,
+    hence seeds, and initialisers are the whole model's, so materialising it part
+    by part gives the same values as all at once.
+    """
+    root = module if root is None else root
+    prefix = next(name for name, sub in root.named_modules(remove_duplicate=False) if sub is module)
     made: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
@@ -58,16 +68,60 @@ def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
     done: set[int] = set()
     devices = [device] if device.type != "cpu" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type):
-        for name, sub in _post_order(module):
+        for name, sub in _post_order(module, prefix):
             if not any(id(t) in fresh for t in list(sub.parameters()) + list(sub.buffers())):
                 continue  # real values the user gave: keep them
             own = [id(t) for t in list(sub._parameters.values()) + list(sub._buffers.values())
                    if t is not None and id(t) in fresh]
             if own and all(i in done for i in own):
                 continue  # a tied weight its first module already initialised
-            init = _initialiser(_ancestors(module, name), sub)
+            init = _initialiser(_ancestors(root, name), sub)
             if init is None:
                 continue
             torch.manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
             init()
             done.update(own)
+
+
+def _agreed_seed(device: torch.device) -> int:
+    """Rank 0's seed (the one `torch.manual_seed` set), so that every rank initialises a module alike."""
+    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
+
+
+@torch.no_grad()
+def _broadcast_from_first(module: nn.Module, group: dist.ProcessGroup) -> None:
+    if dist.get_world_size(group) > 1:
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, group=group, group_src=0)
+
+
+def unit_materialiser(root: nn.Module, mesh: ParallelMesh) -> Callable[[nn.Module], None]:
+    """For sharding a meta-built model: materialise each sharding unit (and last, the root's own tensors)
+    right before FSDP2 shards it, so a rank never holds more than one whole unit besides its shards."""
+    device = mesh_device(mesh)
+    seed = _agreed_seed(device)
+    return lambda unit: materialize(unit, device, seed, root=root)
+
+
+def mesh_device(mesh: ParallelMesh) -> torch.device:
+    kind = mesh.world.device_type
+    return torch.device(kind) if kind == "cpu" else torch.device(kind, torch.accelerator.current_device_index())
+
+
+def place(module: nn.Module, mesh: ParallelMesh) -> torch.device:
+    """Put `module` on this rank's device, equal on every rank holding the same part; returns the device.
+
+    Meta tensors are materialised there (equal everywhere by construction); a
+    model built with real values takes those of the first rank of its `dp`
+    group (every rank but other pipeline stages), whatever seed each rank used.
+    Every rank must call it.
+    """
+    device = mesh_device(mesh)
+    if has_meta(module):
+        materialize(module, device, _agreed_seed(device))
+    else:
+        module.to(device)
+        _broadcast_from_first(module, mesh["dp"].get_group())
+    return device
