@@ -21,7 +21,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import shardwise as sw
 from shardwise.parallel.materialize import materialize
 from shardwise.testing import run_distributed
-from tiny_models import SEED, build, dataset, loss_fn, make_optimizer, relative_error, train_reference
+from tiny_models import SEED, build, dataset, make_optimizer, relative_error, seed_step, train_reference
 
 WORLD, ROWS, STEPS, LAYERS = 4, 2, 2, 6
 MODES = {
@@ -49,12 +49,7 @@ def train_delayed(kind: str, config: dict) -> dict:
     initial = {name: t.clone() for name, t in model.full_state_dict().items()}
     opt = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
 
-    @sw.step
-    def train_step(model, inputs, targets):
-        loss = loss_fn(kind, model, inputs, targets)
-        model.backward(loss)
-        return loss
-
+    train_step = seed_step(kind)
     losses = []
     for inputs, targets in sw.data_loader(dataset(kind, STEPS * ROWS * sw.dp_size()), batch_size=ROWS,
                                           shuffle=False):

@@ -30,25 +30,14 @@ import torch
 
 import shardwise as sw
 from shardwise.testing import run_distributed
-from tiny_models import blocks, build, dataset, loss_fn, make_optimizer, relative_error, train_reference
+from tiny_models import (blocks, build, dataset, loss_fn, make_optimizer, relative_error, seed_step,
+                         train_reference)
 
 LAYERS = 4
 ROWS = 8  # rows per data-parallel rank and step (dp counts tensor-parallel ranks, as in SMP)
 STEPS = 2
 TOLERANCE = 1e-5
 KINDS = ("gpt2", "llama")
-
-
-def seed_step(kind: str):
-    """The seed's training step: a loss, `model.backward(loss)`, the loss returned."""
-
-    @sw.step
-    def train_step(model, inputs, targets):
-        loss = loss_fn(kind, model, inputs, targets)
-        model.backward(loss)
-        return loss
-
-    return train_step
 
 
 def train_kind(kind: str, checkpointing: bool = False) -> dict:

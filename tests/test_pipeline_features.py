@@ -20,8 +20,8 @@ import shardwise as sw
 from shardwise.config import ConfigError
 from shardwise.parallel.materialize import materialize
 from shardwise.testing import run_distributed
-from test_pipeline import KINDS, LAYERS, PP2, ROWS, check, check_state, holders, mean_losses, seed_step, train_all
-from tiny_models import SEED, build, dataset, make_optimizer, train_reference
+from test_pipeline import KINDS, LAYERS, PP2, ROWS, check, check_state, holders, mean_losses, train_all
+from tiny_models import SEED, build, dataset, make_optimizer, seed_step, train_reference
 
 PRECISIONS = {  # precision: data-parallel mode on both sides (2 ranks each)
     "bf16": {"zero_stage": 2, "sharded_data_parallel_degree": 2},

@@ -28,7 +28,7 @@ import torch
 
 import shardwise as sw
 from shardwise.testing import run_distributed
-from tiny_models import blocks, build, dataset, loss_fn, make_optimizer, relative_error, train_reference
+from tiny_models import blocks, build, dataset, make_optimizer, relative_error, seed_step, train_reference
 
 WORLD = 4
 ROWS = 2  # per data-parallel rank and step
@@ -67,12 +67,7 @@ def train_shardwise(kind: str, optimizer: str, config: dict, checkpointing: bool
             sw.set_activation_checkpointing(block)
     opt = sw.DistributedOptimizer(make_optimizer(optimizer, model.parameters()))
 
-    @sw.step
-    def train_step(model, inputs, targets):
-        loss = loss_fn(kind, model, inputs, targets)
-        model.backward(loss)
-        return loss
-
+    train_step = seed_step(kind)
     losses = []
     loader = sw.data_loader(dataset(kind, STEPS * ROWS * sw.dp_size()), batch_size=ROWS, shuffle=False)
     for inputs, targets in loader:

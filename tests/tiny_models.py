@@ -125,6 +125,19 @@ def loss_fn(kind: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Te
     return F.cross_entropy(logits, targets)
 
 
+def seed_step(kind: str):
+    """The seed's training step under `@sw.step`: a loss, `model.backward(loss)`, the loss returned."""
+    import shardwise as sw
+
+    @sw.step
+    def train_step(model, inputs, targets):
+        loss = loss_fn(kind, model, inputs, targets)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 # Adam's step g/(sqrt(v)+eps) turns the rounding noise of tiny gradients into noise in
 # the step; eps=1e-6 (not 1e-8) bounds that, so that one process summing its batch in
 # two halves instead of one agrees with itself to ~2e-6 on the ViT rather than ~1e-5.

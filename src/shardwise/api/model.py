@@ -85,7 +85,7 @@ class DistributedModel(nn.Module):
                                "copies and clips those; set gradient_clipping in the config instead")
         if isinstance(self._parallel, PipelineParallel):  # counts the other stages' gradients too
             return self._parallel.clip_grad_norm_(max_norm)
-        return clip_grad_norm_(self.parameters(), max_norm)
+        return clip_grad_norm_(self.parameters(), max_norm, self._runtime.device)
 
     def tied_copies(self) -> set[int]:
         """ids of the parameters that copy a weight tied across pipeline stages: a global norm skips them."""

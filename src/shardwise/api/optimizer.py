@@ -69,7 +69,7 @@ class DistributedOptimizer:
             self._model.loss_scaler.unscale_(self.optimizer)
         clip = self._runtime.config.gradient_clipping
         if clip is not None:
-            self.grad_norm = masters.clip_grad_norm_(clip, self._model.tied_copies())
+            self.grad_norm = masters.clip_grad_norm_(clip, self._runtime.device, self._model.tied_copies())
         result = self._step_wrapped(closure)
         masters.write_back()
         return result

@@ -21,14 +21,16 @@ def _local_square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in local]).sum()
 
 
-def global_grad_norm(parameters: Iterable[torch.Tensor], across: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """`across`: ranks holding other parameters (pipeline stages), whose squares are summed in too."""
+def global_grad_norm(parameters: Iterable[torch.Tensor], device: torch.device,
+                     across: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """`across`: ranks holding other parameters (pipeline stages), whose squares are summed in too.
+    `device`: where the sum lives, so that a rank without gradients still joins the collective."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
             g = p.grad
             groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
         squares = _local_square_sum(grads)
         if key is not None:
@@ -36,13 +38,14 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], across: Optional[dist.P
             for axis, placement in enumerate(placements):
                 if isinstance(placement, Shard):
                     dist.all_reduce(squares, group=mesh.get_group(axis))
-        total = total.to(squares.device) + squares
+        total = total + squares.to(device)
     if across is not None:
         dist.all_reduce(total, group=across)
     return total.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, across: Optional[dist.ProcessGroup] = None,
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, device: torch.device,
+                    across: Optional[dist.ProcessGroup] = None,
                     counted: Optional[Callable[[torch.Tensor], bool]] = None) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before clipping.
 
@@ -50,7 +53,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, across:
     one tied weight count once); every parameter is scaled.
     """
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm([p for p in params if counted is None or counted(p)], across)
+    norm = global_grad_norm([p for p in params if counted is None or counted(p)], device, across)
     coef = min(1.0, max_norm / (float(norm) + 1e-6))
     if coef < 1.0:
         for p in params:

@@ -142,7 +142,7 @@ class MasterWeights:
             if version != self._versions[param] and not torch.equal(value, master.to(value.dtype)):
                 master.copy_(value)
 
-    def clip_grad_norm_(self, max_norm: float, tied_copies: set[int]) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, device: torch.device, tied_copies: set[int]) -> torch.Tensor:
         """Clip the master gradients by the norm over the whole model: every rank holds a disjoint part
         (its share, its tensor-parallel piece, its pipeline stage), so the squares are summed over all ranks.
         A parameter tensor parallelism leaves whole counts on tp rank 0 only; a tied copy not at all."""
@@ -150,7 +150,8 @@ class MasterWeights:
             param = self.param_of[id(master)]
             return id(param) not in tied_copies and (self.tp_rank == 0 or _split_tensor_parallel(param))
 
-        return clip_grad_norm_(list(self.masters.values()), max_norm, across=dist.group.WORLD, counted=counted)
+        return clip_grad_norm_(list(self.masters.values()), max_norm, device, across=dist.group.WORLD,
+                               counted=counted)
 
     @torch.no_grad()
     def write_back(self) -> None:

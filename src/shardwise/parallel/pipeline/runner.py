@@ -110,7 +110,8 @@ class PipelineParallel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every stage's gradients, each tied weight counted once."""
         skip = self.ties.duplicates()
-        return clip_grad_norm_(self.inner.parameters(), max_norm, across=self.pp_group,
+        return clip_grad_norm_(self.inner.parameters(), max_norm, current("model.clip_grad_norm_").device,
+                               across=self.pp_group,
                                counted=lambda p: id(p) not in skip)
 
     @torch.no_grad()
