@@ -109,3 +109,18 @@ def test_ddp_in_bf16_with_clipping_stays_within_bf16_rounding():
     losses = torch.tensor([r["losses"] for r in ranks]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(want["losses"]), rtol=1e-2, atol=0)
     assert max(relative_error(ranks[0]["state"][k], v) for k, v in want["state"].items()) <= 2e-2
+
+
+def output_dtypes(config: dict) -> list[str]:
+    """The dtype of the logits the user's loss receives, for a model computing in bf16."""
+    sw.init({**config, "bf16": True})
+    model = sw.DistributedModel(build("gpt2"))
+    inputs, _ = dataset("gpt2", ROWS)[:ROWS]
+    with torch.no_grad():
+        return [str(model(inputs)["logits"].dtype)]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero3"])
+def test_loss_sees_fp32_logits_in_every_mixed_precision_mode(mode):
+    """Autocast (DDP), ZeRO-1's half-precision replicas and FSDP2 all compute in bf16 and hand back fp32."""
+    assert run_distributed(output_dtypes, WORLD, MODES[mode]) == [["torch.float32"]] * WORLD

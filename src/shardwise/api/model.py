@@ -37,15 +37,15 @@ class DistributedModel(nn.Module):
         # FSDP2 modules cast by their own policy, ZeRO-1's half-precision replicas by hooks alike
         self._autocast = not (isinstance(self.module, FSDPModule) or runtime.config.sharded_master_weights)
         self.loss_scaler = precision.loss_scaler(runtime.config, runtime.device)
-        # Set by a DistributedOptimizer that reduces gradients itself (ZeRO-1 in bf16/fp16): run after
-        # every @step microbatch's backward.
-        self.after_microbatch: Optional[Callable[[], None]] = None
+        # Set by a DistributedOptimizer that reduces gradients itself (ZeRO-1 in bf16/fp16): run after a
+        # pipeline @step's schedule, once the gradients of weights tied across stages are summed.
+        self.after_pipeline_step: Optional[Callable[[], None]] = None
         runtime.model = self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._autocast:
+        if self._autocast and precision.compute_dtype(self._runtime.config) is not None:
             with precision.autocast(self._runtime.config, self._runtime.device):
-                return self.module(*args, **kwargs)
+                return precision.in_fp32(self.module(*args, **kwargs))  # as FSDP2's and ZeRO-1's outputs
         return self.module(*args, **kwargs)
 
     def get_module(self) -> nn.Module:
@@ -55,8 +55,6 @@ class DistributedModel(nn.Module):
     def microbatch_context(self, last: bool):
         with self._parallel.microbatch_context(last):
             yield
-        if self.after_microbatch is not None and torch.is_grad_enabled():
-            self.after_microbatch()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`, averaged over the microbatches of the current @step (and loss-scaled in fp16)."""
@@ -76,7 +74,10 @@ class DistributedModel(nn.Module):
 
     def run_pipeline(self, fn: Any, pieces: list[tuple[tuple, dict]]) -> list[Any]:
         """Run a @step function's microbatches through the pipeline (pipeline_parallel_degree > 1)."""
-        return self._parallel.run_step(self, fn, pieces)
+        outputs = self._parallel.run_step(self, fn, pieces)
+        if self.after_pipeline_step is not None and torch.is_grad_enabled():
+            self.after_pipeline_step()
+        return outputs
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every shard of every gradient; returns the norm before clipping."""
@@ -90,6 +91,11 @@ class DistributedModel(nn.Module):
     def tied_copies(self) -> set[int]:
         """ids of the parameters that copy a weight tied across pipeline stages: a global norm skips them."""
         return self._parallel.ties.duplicates() if isinstance(self._parallel, PipelineParallel) else set()
+
+    def tied_across_stages(self) -> set[int]:
+        """ids of this rank's copies of weights tied across pipeline stages: their gradients are final only
+        once the schedule has run and summed them."""
+        return self._parallel.ties.held() if isinstance(self._parallel, PipelineParallel) else set()
 
     # Names as the user's module has them (no "module." prefix from the wrapper).
     def named_parameters(self, prefix: str = "", recurse: bool = True,

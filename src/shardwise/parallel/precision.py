@@ -60,7 +60,12 @@ def store_in_compute_dtype(module: nn.Module, config: ShardwiseConfig) -> None:
         if param.is_floating_point() and param.dtype != dtype:
             torch.utils.swap_tensors(param, nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad))
     module.register_forward_pre_hook(lambda _, args, kwargs: _cast_floating((args, kwargs), dtype), with_kwargs=True)
-    module.register_forward_hook(lambda _, args, output: _cast_floating(output, torch.float32))
+    module.register_forward_hook(lambda _, args, output: in_fp32(output))
+
+
+def in_fp32(outputs: Any) -> Any:
+    """Floating tensors of `outputs` in fp32: the user's loss sees full-precision logits in every mode."""
+    return _cast_floating(outputs, torch.float32)
 
 
 def autocast(config: ShardwiseConfig, device: torch.device) -> ContextManager:
