@@ -28,7 +28,7 @@ import torch
 
 import shardwise as sw
 from shardwise.testing import run_distributed
-from tiny_models import blocks, build, dataset, make_optimizer, relative_error, seed_step, train_reference
+from tiny_models import blocks, build, dataset, loss_fn, make_optimizer, relative_error, seed_step, train_reference
 
 WORLD = 4
 ROWS = 2  # per data-parallel rank and step
@@ -124,3 +124,34 @@ def output_dtypes(config: dict) -> list[str]:
 def test_loss_sees_fp32_logits_in_every_mixed_precision_mode(mode):
     """Autocast (DDP), ZeRO-1's half-precision replicas and FSDP2 all compute in bf16 and hand back fp32."""
     assert run_distributed(output_dtypes, WORLD, MODES[mode]) == [["torch.float32"]] * WORLD
+
+
+def evaluate_then_count_whole(config: dict) -> list[int]:
+    """Parameters left whole (not sharded DTensors) after a training step and after an evaluation step."""
+    from torch.distributed.tensor import DTensor
+
+    sw.init(config)
+    model = sw.DistributedModel(build("gpt2"))
+    opt = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+    train_step = seed_step("gpt2")
+
+    @sw.step
+    def eval_step(model, inputs, targets):
+        return loss_fn("gpt2", model, inputs, targets)
+
+    inputs, targets = dataset("gpt2", ROWS)[:ROWS]
+    train_step(model, inputs, targets)
+    opt.step()
+    counts = [sum(not isinstance(p, DTensor) for p in model.parameters())]
+    with torch.no_grad():
+        eval_step(model, inputs, targets)
+    return counts + [sum(not isinstance(p, DTensor) for p in model.parameters())]
+
+
+@pytest.mark.parametrize("config", [MODES["zero2"], MODES["zero3"], MODES["mics"],
+                                    {"pipeline_parallel_degree": 2, **MODES["mics-zero2"]}],
+                         ids=["zero2", "zero3", "mics", "pp2-zero2"])
+def test_evaluation_leaves_parameters_sharded(config):
+    """FSDP2 keeps what forward gathered until backward frees it; @step frees it after an evaluation step
+    (a pipeline schedule already does)."""
+    assert run_distributed(evaluate_then_count_whole, WORLD, config) == [[0, 0]] * WORLD

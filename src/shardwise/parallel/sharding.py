@@ -9,8 +9,9 @@ gradient all-reduce crosses groups.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
+import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
@@ -60,11 +61,22 @@ class Sharded(DataParallel):
         self.sharded = module
         self.hybrid = hybrid
 
-    def microbatch_context(self, last: bool) -> ContextManager:
+    @contextlib.contextmanager
+    def microbatch_context(self, last: bool) -> Iterator[None]:
         if self.hybrid:
             self.sharded.set_requires_all_reduce(last)
         self.sharded.set_is_last_backward(last)
-        return contextlib.nullcontext()
+        yield
+        if last and not torch.is_grad_enabled():
+            reshard_gathered(self.sharded)
+
+
+def reshard_gathered(module: nn.Module) -> None:
+    """Free the parameters FSDP2's forward gathered in `module`. Training's backward does it; an evaluation
+    step has no backward, and ZeRO-2 blocks (and the root in every stage) would stay whole until the next."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 def _dp_mesh(mesh: ParallelMesh, hybrid: bool) -> DeviceMesh:
