@@ -89,8 +89,9 @@ def measure_all(factories: dict[str, Callable], model: str, batch_size: int, ste
     """On every rank, `rounds` times: build each configuration in turn (`factory(model, batch_size)` →
     Setup), run one step (lazy initialisation, optimizer states), measure the peak memory of the
     second (DDP allocates its rebuilt gradient buckets there, so they are seen) and the collectives
-    of the third (every round, keeping the first round's), then time `steps` more. Rounds spread each configuration's steps over the run, so
-    load from other processes on the machine does not fall on one configuration only."""
+    of the third (every round, keeping the first round's), then time `steps` more. Rounds spread each
+    configuration's steps over the run, so load from other processes on the machine does not fall on one
+    configuration only."""
     results: dict[str, dict] = {name: {"times": []} for name in factories}
     for _ in range(rounds):
         for name, factory in factories.items():

@@ -3,10 +3,15 @@
 Each setup builds the model from the same seed, wraps it its own way and returns
 a `Setup`: one training step (zero_grad, forward with the model's own loss,
 backward, AdamW step), what MemTracker should track, and how to tear it down.
+`precision` is "fp32" or "bf16"; in bf16 each computes in bfloat16 its own
+documented way: autocast for DDP, FSDP2's MixedPrecisionPolicy (fp32 gradient
+reduction), shardwise's `bf16` key, DeepSpeed's `bf16` section (at its defaults,
+which reduce gradients in bf16).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, NamedTuple
 
@@ -50,38 +55,53 @@ def _batch(model: str, batch_size: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _plain(module: nn.Module, batch: dict) -> Setup:
+def _stepped_apart(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What `optimizer` steps that is not one of `module`'s parameters (fp32 masters, flat partitions): created
+    before MemTracker starts, so it must be named to it (it counts them as "Other")."""
+    own = {id(p) for p in module.parameters()}
+    return [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+
+
+def _plain(module: nn.Module, batch: dict, autocast: bool = False) -> Setup:
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    device = next(module.parameters()).device.type
 
     def step() -> None:
         optimizer.zero_grad()
-        module(**batch).loss.backward()
+        with torch.autocast(device, torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = module(**batch).loss
+        loss.backward()
         optimizer.step()
 
     return Setup(step, (module, optimizer))
 
 
-def plain_ddp(model: str, batch_size: int) -> Setup:
-    return _plain(nn.parallel.DistributedDataParallel(_build(model)), _batch(model, batch_size))
+def plain_ddp(model: str, batch_size: int, precision: str = "fp32") -> Setup:
+    """torch DDP; in bf16 under autocast, as torch's AMP recipe does (fp32 parameters and all-reduce)."""
+    module = nn.parallel.DistributedDataParallel(_build(model))
+    return _plain(module, _batch(model, batch_size), autocast=precision == "bf16")
 
 
-def plain_fsdp2(model: str, batch_size: int) -> Setup:
-    """ZeRO-3 as torch documents it: `fully_shard` each block, then the root."""
-    from torch.distributed.fsdp import fully_shard
+def plain_fsdp2(model: str, batch_size: int, precision: str = "fp32") -> Setup:
+    """ZeRO-3 as torch documents it: `fully_shard` each block, then the root; in bf16 with a
+    MixedPrecisionPolicy gathering bf16 parameters and reducing fp32 gradients."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if precision == "bf16" else MixedPrecisionPolicy())
     module = _build(model)
     for block in module.transformer.h:
-        fully_shard(block)
-    fully_shard(module)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
     return _plain(module, _batch(model, batch_size))
 
 
-def shardwise(config: dict, model: str, batch_size: int) -> Setup:
+def shardwise(config: dict, model: str, batch_size: int, precision: str = "fp32") -> Setup:
     """The seed's loop: sw.init, DistributedModel, DistributedOptimizer, @sw.step."""
     import shardwise as sw
     from shardwise.runtime import state
 
-    sw.init(config)
+    sw.init({**config, "bf16": precision == "bf16"})
     module = sw.DistributedModel(_build(model))
     optimizer = sw.DistributedOptimizer(torch.optim.AdamW(module.parameters(), lr=LR))
     batch = _batch(model, batch_size)
@@ -97,11 +117,12 @@ def shardwise(config: dict, model: str, batch_size: int) -> Setup:
         train_step(module, batch)
         optimizer.step()
 
-    # Forget this runtime but keep the process group for the next configuration.
-    return Setup(step, (module, optimizer.optimizer), lambda: state.set_current(None))
+    # ZeRO-1 in bf16 steps fp32 masters. Forget this runtime but keep the process group for the next configuration.
+    masters = _stepped_apart(module, optimizer.optimizer)
+    return Setup(step, (module, optimizer.optimizer, *masters), lambda: state.set_current(None))
 
 
-def deepspeed(stage: int, model: str, batch_size: int) -> Setup:
+def deepspeed(stage: int, model: str, batch_size: int, precision: str = "fp32") -> Setup:
     """DeepSpeed's ZeRO stage on the existing gloo group, with torch's AdamW (its CPU Adam needs a compiler)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -111,6 +132,7 @@ def deepspeed(stage: int, model: str, batch_size: int) -> Setup:
     ds.init_distributed(dist_backend=dist.get_backend())
     zero = {"stage": stage, "reduce_bucket_size": DEEPSPEED_BUCKET, "allgather_bucket_size": DEEPSPEED_BUCKET}
     config = {"train_micro_batch_size_per_gpu": batch_size, "zero_optimization": zero,
+              "bf16": {"enabled": precision == "bf16"},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}}
     module = _build(model)
     engine, optimizer, _, _ = ds.initialize(model=module, model_parameters=module.parameters(), config=config)
@@ -123,7 +145,6 @@ def deepspeed(stage: int, model: str, batch_size: int) -> Setup:
     # DeepSpeed's ZeRO optimizers wrap a torch optimizer that updates flat fp32 partitions, and ZeRO-3
     # keeps each parameter's shard in `ds_tensor`: MemTracker counts those as "Other".
     inner = getattr(optimizer, "optimizer", optimizer)
-    own = {id(p) for p in engine.module.parameters()}
-    partitions = [p for group in inner.param_groups for p in group["params"] if id(p) not in own]
+    partitions = _stepped_apart(engine.module, inner)
     shards = [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")]
     return Setup(step, (engine.module, inner, *partitions, *shards))

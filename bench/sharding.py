@@ -1,9 +1,11 @@
 """Sharded data parallelism side by side: shardwise against plain PyTorch DDP and FSDP2 (and DeepSpeed).
 
-    python bench/sharding.py [--nproc 4] [--steps 5] [--rounds 3] [--model gpt2-small] [--batch 4] [--json FILE]
+    python bench/sharding.py [--nproc 4] [--steps 5] [--rounds 3] [--model gpt2-small] [--batch 4]
+                             [--precision fp32|bf16] [--json FILE]
 
 Every configuration trains the same GPT-2 on the same batches on `nproc` gloo
-CPU ranks in this one invocation, and is measured the same way (measure.py):
+CPU ranks in this one invocation, in the same precision (setups.py says how each
+computes in bf16), and is measured the same way (measure.py):
 median step time and its ratio to plain DDP and plain FSDP2, MemTracker's peak
 bytes per category on the busiest rank, and the collectives of one step. For
 shardwise's configurations the planner's predicted peak stands beside the
@@ -57,14 +59,17 @@ def _measure(factories: dict, args) -> dict[str, list[dict]]:
 
 def run(args) -> dict[str, list[dict]]:
     """Per configuration, the per-rank results of `measure_all`."""
-    factories = {"torch DDP": setups.plain_ddp, "torch FSDP2": setups.plain_fsdp2}
-    factories.update({f"shardwise {name}": functools.partial(setups.shardwise, config)
+    precision = {"precision": args.precision}
+    factories = {"torch DDP": functools.partial(setups.plain_ddp, **precision),
+                 "torch FSDP2": functools.partial(setups.plain_fsdp2, **precision)}
+    factories.update({f"shardwise {name}": functools.partial(setups.shardwise, config, **precision)
                       for name, config in shardwise_configs(args.nproc).items()})
     results = _measure(factories, args)
     if args.deepspeed:
         for stage in range(4):
             shutdown_pools()  # fresh processes: DeepSpeed keeps its process groups in module globals
-            results.update(_measure({f"DeepSpeed ZeRO-{stage}": functools.partial(setups.deepspeed, stage)}, args))
+            results.update(_measure({f"DeepSpeed ZeRO-{stage}": functools.partial(setups.deepspeed, stage,
+                                                                                  **precision)}, args))
     return results
 
 
@@ -82,7 +87,7 @@ def summarise(results: dict[str, list[dict]], args) -> dict[str, dict]:
     spec = spec_from_hf(setups.hf_config(args.model).to_dict(), args.model)
     device = cluster_preset("local", devices_per_node=args.nproc).device
     for name, config in shardwise_configs(args.nproc).items():
-        parsed = parse_config(config)
+        parsed = parse_config({**config, "bf16": args.precision == "bf16"})
         predicted = predict_memory(spec, parsed, layout_for(parsed, Cluster(1, args.nproc)), args.batch,
                                    setups.MODELS[args.model]["seq"], device=device)
         rows[f"shardwise {name}"]["planner_peak_bytes"] = predicted.total
@@ -127,7 +132,7 @@ def _header(args) -> str:
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {cpu}, {platform.machine()}, "
             f"{os.cpu_count()} cores, load average {load} at the start; {versions}; {args.nproc} gloo ranks; "
             f"{args.model} {shape}, "
-            f"batch {args.batch} × seq {setups.MODELS[args.model]['seq']} per rank, fp32, AdamW; "
+            f"batch {args.batch} × seq {setups.MODELS[args.model]['seq']} per rank, {args.precision}, AdamW; "
             f"{args.rounds} rounds of {args.steps} timed steps, each after 3 untimed ones")
 
 
@@ -138,6 +143,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="passes over all configurations")
     parser.add_argument("--model", choices=sorted(setups.MODELS), default="gpt2-small")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: every configuration computes in bfloat16 with fp32 master weights")
     parser.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=_deepspeed_version() is not None,
                         help="also run DeepSpeed ZeRO-0..3 (default: when deepspeed is installed)")
     parser.add_argument("--json", help="also write every number to this file")

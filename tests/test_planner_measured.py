@@ -1,8 +1,8 @@
 """Predicted memory per category against torch's MemTracker, for the runs the suite makes on CPU.
 
 The second training step (AdamW) of tiny Hugging Face models, measured per rank:
-model states (parameters and optimizer after `optimizer.step()`, gradients at the
-end of backward) must match `predict_memory` within ±10 %, activations within
+model states (parameters and optimizer after `optimizer.step()`, gradients at
+their most during backward) must match `predict_memory` within ±10 %, activations within
 ±25 %. Single-process runs cover the four families
 in plain PyTorch; the sharded runs train GPT-2 with shardwise itself on 4 gloo
 ranks under DDP, ZeRO-1, ZeRO-2, ZeRO-3 and MiCS, in fp32 and bf16, and ZeRO-1 in
@@ -37,30 +37,42 @@ class StepMemory:
     Activations are what forward allocated and the step freed: ACT at the end of
     forward minus the ACT still alive after the step (DDP rebuilds its gradient
     buckets in the second step's forward; they are buffers, not activations).
-    Gradients are GRAD at the end of backward: ZeRO-1 in bf16 reduces its
-    half-precision gradients into the owners' fp32 masters and frees them before
-    the step; every other mode keeps them through it. The optimizer is the
-    optimizer's states plus the tensors it steps that are not the model's
-    parameters (ZeRO-1's fp32 masters in bf16, tracked as "other").
+    Gradients are the most GRAD seen as each gradient accumulates (`watch`) and at
+    the end of backward: ZeRO-1 in bf16 sends its half-precision gradients to the
+    owners' fp32 masters bucket by bucket during backward and frees them; every other
+    mode keeps them through the step. The optimizer is the optimizer's states plus
+    the tensors it steps that are not the model's parameters (ZeRO-1's fp32 masters
+    in bf16, tracked as "other").
     """
+
+    active: "StepMemory | None" = None
 
     def __init__(self, *tracked):
         self.tracker = MemTracker()
         self.tracker.track_external(*tracked)
         self.forward: dict = {}
-        self.backward: dict = {}
+        self.gradients = 0
+
+    @classmethod
+    def watch(cls, params) -> None:
+        """Sample GRAD whenever one of `params` has accumulated its gradient; call before the optimizer
+        exists, so the sample comes before ZeRO-1's hook may free the gradient."""
+        for param in params:
+            param.register_post_accumulate_grad_hook(lambda _: cls.active and cls.active.backward_done())
 
     def forward_done(self) -> None:
         self.forward = _categories(self.tracker, "current")
 
     def backward_done(self) -> None:
-        self.backward = _categories(self.tracker, "current")
+        self.gradients = max(self.gradients, _categories(self.tracker, "current").get("GRAD", 0))
 
     def __enter__(self):
         self.tracker.__enter__()
+        StepMemory.active = self
         return self
 
     def __exit__(self, *exc):
+        StepMemory.active = None
         self.tracker.__exit__(*exc)
 
     @classmethod
@@ -74,7 +86,7 @@ class StepMemory:
 
     def result(self) -> dict:
         after = _categories(self.tracker, "current")
-        return {"parameters": after.get("PARAM", 0), "gradients": self.backward.get("GRAD", 0),
+        return {"parameters": after.get("PARAM", 0), "gradients": self.gradients,
                 "optimizer": after.get("OPT", 0) + after.get("OTH", 0),
                 "activations": self.forward.get("ACT", 0) - after.get("ACT", 0),
                 "peak": _categories(self.tracker, "peak")["Total"]}
@@ -122,6 +134,7 @@ def test_one_process_matches_memtracker(family):
     model_class, hf_config, make_batch, seq = CASES[family]
     torch.manual_seed(0)
     model = model_class(hf_config).train()
+    StepMemory.watch(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch()
 
@@ -161,6 +174,7 @@ def measure_shardwise(config: dict) -> dict:
     sw.init(config)
     torch.manual_seed(0)
     model = sw.DistributedModel(transformers.GPT2LMHeadModel(GPT2))
+    StepMemory.watch(model.parameters())
     optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     batch = _text_batch(256, 64, seed=sw.rank())
 

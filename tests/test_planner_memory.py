@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardwise.config import parse_config
-from shardwise.planner import (Kernels, block_activations, cluster_preset, model_state_bytes, predict_memory,
+from shardwise.planner import (Kernels, block_activations, cluster_preset, model_state_bytes, plan, predict_memory,
                                rank_activations, resolve_model)
 from shardwise.planner.activations import Numerics, edge_activations
 from shardwise.planner.memory import in_flight_microbatches
-from shardwise.planner.wrapping import gathered_bytes, optimizer_share
+from shardwise.planner.wrapping import gathered_bytes, optimizer_share, reduce_buckets
 from shardwise.topology import Cluster, Layout, layout_for
 
 A = 1_000_000_000  # parameters on a rank
@@ -73,6 +73,44 @@ def test_zero1_busiest_rank_holds_its_largest_tensors():
     assert share * spec.parameters == 32_768 and share > 1 / 4
     assert optimizer_share(resolve_model("gpt2-10b"), config, layout_for(config, Cluster(1, 4))) == pytest.approx(
         1 / 4, rel=0.01)
+
+
+def _zero1_half(spec, tp: int, nodes: int, pp: int = 1, microbatches: int = 1):
+    config = parse_config({"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "microbatches": microbatches,
+                           "shard_optimizer_state": True, "bf16": True})
+    layout = layout_for(config, Cluster(nodes, 8))
+    return predict_memory(spec, config, layout, 1, 512), layout
+
+
+def test_zero1_half_precision_gradients_go_with_their_buckets():
+    """ZeRO-1 in bf16 sends each bucket's gradients to its owner as soon as they are complete and frees them:
+    for gpt2-10b under SMP's layout (tp 4 × 32 replicas) only the gradients waiting for their bucket are alive,
+    a few hundredths of the 2a a replica would keep; beside the owner's fp32 master gradients at most two
+    buckets are in flight. A pipeline accumulates its microbatches in the gradients first: 2a."""
+    spec = resolve_model("gpt2-10b")
+    memory, layout = _zero1_half(spec, tp=4, nodes=16)
+    a = spec.parameters / 4
+    buckets = reduce_buckets(spec, layout)
+    assert memory.gradients == 2 * buckets.waiting and memory.gradients < 0.05 * 2 * a
+    assert buckets.count > layout.dp and 25 * 2 ** 20 <= 4 * buckets.largest == 4 * spec.vocab * spec.hidden / 4
+    share = optimizer_share(spec, parse_config({"shard_optimizer_state": True, "bf16": True}), layout)
+    assert memory.comm_buffers == pytest.approx(4 * a * share + 2 * 4 * buckets.largest)
+    piped, layout = _zero1_half(spec, tp=4, nodes=16, pp=2, microbatches=4)
+    assert piped.gradients == 2 * spec.stage_parameters(2) / 4
+
+
+def test_zero1_of_one_replica_saves_nothing():
+    """Why the search tries ZeRO-1 only with several replicas: one replica in bf16 keeps fp32 masters and master
+    gradients of the whole model beside its bf16 parameters (18a with Adam's moments), more than DDP's fp32
+    parameters and gradients (16a) with autocast's weight copies."""
+    spec, config, one = resolve_model("gpt2"), {"bf16": True}, Cluster(1, 1)
+    ddp, zero1 = (predict_memory(spec, parse_config(c), layout_for(parse_config(c), one), 1, 512)
+                  for c in (config, {**config, "shard_optimizer_state": True}))
+    assert zero1.model_states + zero1.comm_buffers > ddp.model_states + ddp.comm_buffers and zero1.total > ddp.total
+    spec, cluster = resolve_model("gpt2:n_layer=4,n_embd=256,n_head=4"), cluster_preset("local", devices_per_node=2)
+    considered = plan(spec, cluster, global_batch=2, precision="bf16").considered
+    assert {e.zero_stage for e in considered if e.layout.dp == 1 and e.memory} == {0}
+    assert {e.zero_stage for e in considered if e.layout.dp == 2} == {0, 1, 2, 3}
 
 
 def test_100b_parameters_need_2tb_and_50_devices_of_40gb():

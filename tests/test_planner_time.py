@@ -6,6 +6,7 @@ from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, predict_step_time, resolve_model
 from shardwise.planner import assumptions as A
 from shardwise.planner.collectives import collective_time, group_shape
+from shardwise.planner.wrapping import reduce_buckets
 from shardwise.topology import Layout, layout_for
 
 P4D = cluster_preset("4xp4d.24xlarge")
@@ -91,8 +92,8 @@ def test_tensor_parallel_all_reduces_are_on_the_critical_path():
 def test_data_parallel_collectives_are_the_runtimes():
     """As bench/sharding.py counts them: DDP all-reduces fp32 gradients, ZeRO-1 then broadcasts every
     tensor from its owner, ZeRO-2 gathers in forward only and ZeRO-3 in backward too; in bf16 the
-    gathers move bf16 and the gradients fp32, and ZeRO-1 reduces each share's fp32 gradients to its
-    owner after every microbatch and broadcasts bf16 parameters."""
+    gathers move bf16 and the gradients fp32, and ZeRO-1 reduces fp32 gradients to their owners in
+    buckets during every backward and broadcasts bf16 parameters."""
     a = resolve_model("gpt2-10b").parameters
 
     def collectives(config: dict) -> list[tuple[str, float]]:
@@ -103,9 +104,25 @@ def test_data_parallel_collectives_are_the_runtimes():
         ("gradient all-reduce (overlaps last backward)", 4 * a),
         ("parameter broadcast (after the optimizer step)", 4 * a)]
     assert collectives({"shard_optimizer_state": True}) == [
-        ("gradient reduce (after each microbatch's backward)", 4 * a),
+        ("gradient reduce (overlaps backward)", 4 * a),
         ("parameter broadcast (after the optimizer step)", 2 * a)]
     zero2 = [("gradient reduce-scatter (overlaps backward)", 4 * a), ("parameter all-gather (overlaps forward)", 2 * a)]
     assert collectives({"zero_stage": 2, "sharded_data_parallel_degree": 32}) == zero2
     assert collectives({"sharded_data_parallel_degree": 32}) == sorted(
         zero2 + [("parameter all-gather (overlaps backward)", 2 * a)])
+
+
+def test_zero1_half_precision_reduce_overlaps_backward():
+    """ZeRO-1 in bf16 sends its fp32 gradient reduces in buckets during every microbatch's backward (the last
+    one's under a pipeline): they hide behind it like ZeRO-2's reduce-scatters, one latency per bucket,
+    and what stays exposed beyond the overlap's cost is the parameter broadcast after the step."""
+    spec = resolve_model("gpt2-10b")
+    config = {"bf16": True, "tensor_parallel_degree": 4, "shard_optimizer_state": True}
+    zero1 = _time(config)
+    reduce, broadcast = sorted(zero1.collectives, key=lambda c: c.name)[1:]
+    assert reduce.name == "gradient reduce (overlaps backward)"
+    assert broadcast.seconds < zero1.data_parallel < reduce.seconds + broadcast.seconds
+    layout = layout_for(parse_config(config), P4D.topology)
+    assert reduce_buckets(spec, layout).count > layout.dp   # each owner's share travels in several buckets
+    piped = _time({**config, "pipeline_parallel_degree": 2, "microbatches": 4})
+    assert "gradient reduce (overlaps last backward)" in {c.name for c in piped.collectives}

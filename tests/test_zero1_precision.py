@@ -45,8 +45,10 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise as sw
+from shardwise.parallel import shares
 from shardwise.testing import run_distributed
 from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error
 
@@ -156,13 +158,15 @@ def _checksum(model) -> float:
 
 class SeedLoop:
     """One rank of the seed's loop: `sw.init(config)`, the model, the user's optimizer and a @step function
-    whose microbatches call `after_backward(model)` right after `model.backward`."""
+    whose microbatches call `after_backward(model)` right after `model.backward`; `before_optimizer(model)`
+    runs before the optimizer exists (so its gradient hooks run before ZeRO-1's)."""
 
     def __init__(self, config: dict, kind: str = "gpt2", optimizer: str = "adamw", freeze_key_bias: bool = True,
-                 **sizes):
+                 before_optimizer=lambda model: None, **sizes):
         sw.init(config)
         self.kind = kind
         self.model = sw.DistributedModel(build(kind, freeze_key_bias=freeze_key_bias, **sizes))
+        before_optimizer(self.model)
         self.optimizer = sw.DistributedOptimizer(make_optimizer(optimizer, self.model.parameters()))
         self.data = dataset(kind, STEPS * ROWS * sw.dp_size())
         self.after_backward = lambda model: None
@@ -187,18 +191,24 @@ class SeedLoop:
         return {k: v.clone() for k, v in self.model.full_state_dict().items()}
 
 
-def _force_inf(model) -> None:
-    dict(model.named_parameters())[FORCED].grad.view(-1)[0] = float("inf")
+def _with_inf(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = float("inf")
+    return grad
 
 
 def train_zero1(kind: str, config: dict, optimizer: str = "adamw", overflow: tuple[int, int] | None = None) -> dict:
-    """One rank of the seed's loop under `config`; `overflow` = (step, rank) forces an inf gradient there."""
+    """One rank of the seed's loop under `config`; `overflow` = (step, rank) forces an inf gradient there
+    (as backward computes it: ZeRO-1 sends gradients on while backward still runs)."""
     loop = SeedLoop(config, kind, optimizer)
     model, losses, skipped, norms = loop.model, [], [], []
     for step in range(STEPS):
-        loop.after_backward = _force_inf if overflow == (step, sw.rank()) else (lambda model: None)
+        forced = (dict(model.named_parameters())[FORCED].register_hook(_with_inf)
+                  if overflow == (step, sw.rank()) else None)
         before = _checksum(model)
         losses.append(loop.step(step))
+        if forced is not None:
+            forced.remove()
         skipped.append(_checksum(model) == before)
         if loop.optimizer.grad_norm is not None and not skipped[-1]:
             norms.append(float(loop.optimizer.grad_norm))
@@ -268,7 +278,7 @@ def test_composes_with_tensor_parallelism(kind):
 def test_composes_with_pipeline_parallelism():
     """2 stages × 2 replicas, AdamW, clipping, the tied embedding and head on different stages (counted
     once in the norm): bit for bit the reference on 2 replicas. (A schedule runs its microbatches itself,
-    so they accumulate in bf16 until optimizer.step() reduces them; one microbatch here.)"""
+    so they accumulate in bf16 until the last one's backward sends them; one microbatch here.)"""
     config = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True, "gradient_clipping": 0.5}
     ranks = run_distributed(train_zero1, WORLD, "gpt2", config, timeout=300)
     _assert_same_math(ranks, reference("gpt2", "bf16", replicas=2, clip=0.5), LOSS_TOLERANCE, PARAM_TOLERANCE)
@@ -347,9 +357,24 @@ def _by_name(tracker: MemTracker) -> dict[str, int]:
     return {getattr(category, "value", category): int(value) for category, value in snapshot.items()}
 
 
+def _gradient_bytes(model: nn.Module) -> int:
+    return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+
+
+def _watch_gradients(seen: list[int]):
+    """A `before_optimizer` for SeedLoop: record the half-precision gradient bytes alive each time a gradient
+    has accumulated, before ZeRO-1's hook on it may send (and free) its bucket."""
+    def watch(model: nn.Module) -> None:
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(lambda _: seen.append(_gradient_bytes(model)))
+    return watch
+
+
 def measure_model_states(config: dict) -> dict:
-    """This rank's bytes after backward and after the second AdamW step (the first creates the moments)."""
-    loop = SeedLoop(config, freeze_key_bias=False, **SIZES)
+    """This rank's bytes after backward and after the second AdamW step (the first creates the moments), and
+    the most bytes of half-precision gradients alive at once."""
+    alive: list[int] = []
+    loop = SeedLoop(config, freeze_key_bias=False, before_optimizer=_watch_gradients(alive), **SIZES)
     masters = [p for group in loop.optimizer.param_groups for p in group["params"]]
     loop.step(0)
     tracker, snapshots = MemTracker(), {}
@@ -358,16 +383,18 @@ def measure_model_states(config: dict) -> dict:
     with tracker:
         loop.step(1)
     snapshots["step"] = _by_name(tracker)
+    snapshots["gradients_alive"] = max(alive)
     snapshots["owned"], snapshots["owned_tensors"] = sum(m.numel() for m in masters), len(masters)
     snapshots["master_dtypes"] = {str(m.dtype) for m in masters}
     return snapshots
 
 
 def test_model_states_per_rank_are_smps():
-    """Parameters 2a and gradients 2a on every rank; masters (4) and AdamW moments (8) for this rank's share
-    only, which ZeRO-1 deals in whole tensors: within 12 bytes × the largest tensor of 12a/n, and 12a over
-    all ranks (plus AdamW's 4-byte step counter per tensor). After the step the half-precision gradients
-    are gone (reduced into the masters, whose fp32 gradients are released)."""
+    """Parameters 2a and gradients at most 2a on every rank; masters (4) and AdamW moments (8) for this rank's
+    share only, which ZeRO-1 deals in whole tensors: within 12 bytes × the largest tensor of 12a/n, and 12a
+    over all ranks (plus AdamW's 4-byte step counter per tensor). By the end of backward the half-precision
+    gradients are gone, sent to their owners, whose fp32 master gradients (4 bytes per owned parameter, and
+    its flag) backward allocated; the step releases those."""
     config = {"shard_optimizer_state": True, "bf16": True}
     ranks = run_distributed(measure_model_states, WORLD, config, timeout=300)
     shapes = [p.shape for p in build("gpt2", **SIZES).parameters()]
@@ -375,12 +402,100 @@ def test_model_states_per_rank_are_smps():
     for rank, got in enumerate(ranks):
         assert got["master_dtypes"] == {"torch.float32"}
         assert got["step"]["Parameter"] == 2 * a, f"rank {rank}: parameters are not 2 bytes each"
-        assert got["backward"]["Gradient"] == 2 * a, f"rank {rank}: gradients are not 2 bytes each"
-        assert got["step"].get("Gradient", 0) == 0
+        assert 0 < got["gradients_alive"] <= 2 * a, f"rank {rank}: gradients are not 2 bytes each"
+        assert got["backward"]["Gradient"] == 0
+        assert got["backward"]["Temp"] == 4 * got["owned"] + 4 * got["owned_tensors"], f"rank {rank}: fp32 gradients"
+        assert got["step"].get("Gradient", 0) == 0 and got["step"].get("Temp", 0) == 0
         optimizer = got["step"]["Optstate"] + got["step"]["Other"]
         assert optimizer == 12 * got["owned"] + 4 * got["owned_tensors"], f"rank {rank}: optimizer {optimizer} bytes"
         assert abs(12 * got["owned"] - 12 * a / WORLD) <= 12 * largest, f"rank {rank}: share {got['owned']} of {a}"
     assert sum(r["owned"] for r in ranks) == a and sum(r["owned_tensors"] for r in ranks) == len(shapes)
+
+
+# ----- overlap with backward -----
+
+SMALL_BUCKET = 8 * 1024  # bytes of fp32: the 64-wide GPT-2's matrices travel alone, its vectors in groups
+
+
+class Reduces(TorchDispatchMode):
+    """Counts the c10d reduces issued (and the bytes they carry) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and func.overloadpacket.__name__ == "reduce_":
+            self.calls += 1
+            self.bytes += sum(t.nbytes for t in args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def reduces_during_backward(microbatches: int) -> dict:
+    """One @step under ZeRO-1 in bf16 with small buckets: the reduces issued by the time backward reaches
+    the token embedding (whose gradient comes last), and in all; the half-precision gradient bytes alive at
+    most; the buckets, and how many hold an embedding."""
+    config = {"shard_optimizer_state": True, "bf16": True, "microbatches": microbatches}
+    default, shares.BUCKET_BYTES = shares.BUCKET_BYTES, SMALL_BUCKET
+    alive: list[int] = []
+    try:
+        loop = SeedLoop(config, freeze_key_bias=False, before_optimizer=_watch_gradients(alive), **SIZES)
+    finally:
+        shares.BUCKET_BYTES = default
+    counter, before_embedding = Reduces(), []
+    transformer = loop.model.get_module().transformer
+    transformer.wte.weight.register_hook(lambda grad: before_embedding.append(counter.calls))
+    with counter:
+        loop.step(0)
+    buckets = loop.optimizer._masters.buckets.buckets
+    embeddings = {id(transformer.wte.weight), id(transformer.wpe.weight)}
+    return {"before_embedding": before_embedding, "calls": counter.calls, "bytes": counter.bytes,
+            "buckets": len(buckets), "gradients_alive": max(alive),
+            "embedding_buckets": sum(any(id(p) in embeddings for p in b.params) for b in buckets)}
+
+
+def pipeline_reduces(microbatches: int) -> dict:
+    """One @step on 2 stages × 2 replicas with small buckets: the reduces issued by the time the schedule is
+    done (all microbatches' backward), and in all; the buckets, and how many hold a weight tied across stages."""
+    config = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True,
+              "microbatches": microbatches}
+    default, shares.BUCKET_BYTES = shares.BUCKET_BYTES, SMALL_BUCKET
+    try:
+        loop = SeedLoop(config, freeze_key_bias=False, **SIZES)
+    finally:
+        shares.BUCKET_BYTES = default
+    counter, at_schedule_end, end_round = Reduces(), [], loop.model.after_pipeline_step
+    loop.model.after_pipeline_step = lambda: (at_schedule_end.append(counter.calls), end_round())
+    with counter:
+        loop.step(0)
+    buckets, tied = loop.optimizer._masters.buckets.buckets, loop.model.tied_across_stages()
+    return {"at_schedule_end": at_schedule_end, "calls": counter.calls, "buckets": len(buckets),
+            "tied_buckets": sum(any(id(p) in tied for p in b.params) for b in buckets)}
+
+
+def test_pipeline_sends_each_bucket_once_during_the_last_backward():
+    """Under a pipeline the schedule's two microbatches accumulate in the gradients, and each bucket goes once
+    per step, during the last microbatch's backward, except those holding the embedding tied to the head on
+    the other stage, which go once the schedule has summed the copies."""
+    for got in run_distributed(pipeline_reduces, WORLD, 2, timeout=300):
+        assert got["tied_buckets"] == 1 and got["calls"] == got["buckets"]
+        assert got["at_schedule_end"] == [got["buckets"] - got["tied_buckets"]]
+
+
+def test_gradients_travel_while_backward_runs():
+    """As DDP's buckets: every microbatch's backward sends each bucket as soon as its gradients are complete,
+    so all but the embeddings' buckets are on their way before backward reaches the token embedding; each
+    bucket goes once per microbatch, carrying 4 bytes per parameter (and a flag per tensor); and small
+    buckets free the half-precision gradients as backward goes, keeping a fraction of 2a alive."""
+    a = sum(p.numel() for p in build("gpt2", **SIZES).parameters())
+    tensors = len(list(build("gpt2", **SIZES).parameters()))
+    for got in run_distributed(reduces_during_backward, WORLD, 2, timeout=300):
+        assert got["buckets"] > 2 * WORLD
+        assert got["calls"] == 2 * got["buckets"] and got["bytes"] == 2 * 4 * (a + tensors)
+        first, second = got["before_embedding"]
+        assert first >= got["buckets"] - got["embedding_buckets"]
+        assert second - got["buckets"] >= got["buckets"] - got["embedding_buckets"]
+        assert got["gradients_alive"] < 2 * a / 4
 
 
 # ----- state, loading, errors -----
@@ -408,8 +523,8 @@ def resume_and_errors() -> dict:
     model.load_state_dict(other)
     loop.step(0)
     moved = loop.weights()
-    with pytest.raises(RuntimeError, match="reduces the gradients into fp32 master copies and clips those; set "
-                                           "gradient_clipping in the config instead"):
+    with pytest.raises(RuntimeError, match="backward sends the gradients to fp32 master copies, which "
+                                           "optimizer.step.. clips; set gradient_clipping in the config instead"):
         model.clip_grad_norm_(1.0)
     with pytest.raises(ValueError, match="holds 0 fp32 master tensors but this rank owns"):
         optimizer.load_state_dict({**saved[1], "fp32_master_params": []})

@@ -82,8 +82,8 @@ class DistributedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every shard of every gradient; returns the norm before clipping."""
         if self._runtime.config.sharded_master_weights:
-            raise RuntimeError("under ZeRO-1 in bf16/fp16 optimizer.step() reduces the gradients into fp32 master "
-                               "copies and clips those; set gradient_clipping in the config instead")
+            raise RuntimeError("under ZeRO-1 in bf16/fp16 backward sends the gradients to fp32 master copies, "
+                               "which optimizer.step() clips; set gradient_clipping in the config instead")
         if isinstance(self._parallel, PipelineParallel):  # counts the other stages' gradients too
             return self._parallel.clip_grad_norm_(max_norm)
         return clip_grad_norm_(self.parameters(), max_norm, self._runtime.device)

@@ -39,9 +39,20 @@ class DistributedOptimizer:
         if config.effective_zero_stage == 1 and (replicas.size() > 1 or config.sharded_master_weights):
             self._sharding = OptimizerStateSharding(optimizer, replicas.get_group())
         if config.sharded_master_weights:
-            self._masters = MasterWeights(optimizer, self._sharding, runtime.mesh["tp"].get_local_rank())
-            self._model.after_microbatch = self._masters.reduce_gradients
+            self._masters = self._master_weights(optimizer)
         self.optimizer = optimizer
+
+    def _master_weights(self, optimizer: torch.optim.Optimizer) -> MasterWeights:
+        """ZeRO-1 in bf16/fp16. Gradients travel to the owners during every backward pass. A pipeline schedule
+        runs a pass per microbatch: there each gradient travels during its last microbatch's pass, and the
+        rest once the schedule has summed the weights tied across stages."""
+        tp_rank = self._runtime.mesh["tp"].get_local_rank()
+        if self._runtime.config.pipeline_parallel_degree == 1:
+            return MasterWeights(optimizer, self._sharding, tp_rank)
+        masters = MasterWeights(optimizer, self._sharding, tp_rank, passes=self._runtime.config.microbatches,
+                                deferred=frozenset(self._model.tied_across_stages()))
+        self._model.after_pipeline_step = masters.buckets.end_round
+        return masters
 
     def step(self, closure: Any = None) -> Any:
         """Unscale (fp16), clip (`gradient_clipping`, keeping the global norm in `grad_norm` for logs), step;
@@ -60,10 +71,10 @@ class DistributedOptimizer:
         return result
 
     def _step_masters(self, closure: Any) -> Any:
-        """ZeRO-1 in bf16/fp16: gradients still on the replicas go to the owners' fp32 masters, which are
+        """ZeRO-1 in bf16/fp16: the owners' fp32 masters, whose gradients backward has reduced into them, are
         unscaled, clipped and stepped, then rounded back into the parameters everywhere."""
         masters = self._masters
-        masters.reduce_gradients()  # what a backward outside @step left (@step reduces after every microbatch)
+        masters.drop_absent_gradients()
         masters.adopt_changed_parameters()
         if self._model.loss_scaler is not None:
             self._model.loss_scaler.unscale_(self.optimizer)

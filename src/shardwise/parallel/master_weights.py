@@ -6,11 +6,12 @@ parameter) and the user's optimizer steps fp32 masters of this rank's share
 (optimizer_state.py deals the shares): 4 bytes of master and 8 of Adam's moments
 per parameter, divided by the replicas.
 
-Gradients reach the owners in fp32. After every microbatch's backward each rank
-copies its half-precision gradients, one owner's share at a time, into an fp32
-buffer and `reduce`s it to the owner, which adds it into the fp32 gradients of
-its masters (and the half-precision gradients are freed); a pipeline schedule
-runs its microbatches itself, so there `optimizer.step()` reduces them once.
+Gradients reach the owners in fp32 during every backward pass: gradient_buckets.py
+copies them, bucket by bucket as backward produces them, into fp32 buffers it
+`reduce`s to each bucket's owner, which adds them into the fp32 gradients of its
+masters (and the half-precision gradients are freed). Under a pipeline the
+schedule's microbatches accumulate in the compute dtype and travel during the
+last one's backward.
 
 Why fp32: a sum of n replicas' gradients in bf16 loses about log2(n) of bf16's 8
 mantissa bits. Why every microbatch: accumulating m microbatches in bf16 adds an
@@ -35,18 +36,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .clipping import clip_grad_norm_
+from .gradient_buckets import GradientBuckets
 from .optimizer_state import OptimizerStateSharding, local_tensor
-
-
-def _local_grad(param: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `param`'s gradient, laid out as the parameter is (a DTensor gradient may come
-    back replicated or partial where the parameter is sharded)."""
-    grad = param.grad
-    if isinstance(grad, DTensor):
-        if grad.placements != param.placements:
-            grad = grad.redistribute(param.device_mesh, param.placements)
-        return grad.to_local()
-    return grad
 
 
 def _split_tensor_parallel(param: torch.Tensor) -> bool:
@@ -56,16 +47,18 @@ def _split_tensor_parallel(param: torch.Tensor) -> bool:
 class MasterWeights:
     """The fp32 masters the wrapped optimizer steps, and the way gradients reach them and values leave them."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sharding: OptimizerStateSharding, tp_rank: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, sharding: OptimizerStateSharding, tp_rank: int,
+                 passes: Optional[int] = None, deferred: frozenset[int] = frozenset()):
+        """`passes` and `deferred` say when gradients are complete (GradientBuckets): None after every
+        backward pass; under a pipeline, the schedule's microbatches, and its tied weights' ids deferred."""
         self.sharding = sharding
         self.tp_rank = tp_rank
         self.masters: dict[nn.Parameter, torch.Tensor] = {}
         for group in optimizer.param_groups:  # already this rank's share
             group["params"] = [self._master(p) if p.requires_grad else p for p in group["params"]]
         self.param_of = {id(master): param for param, master in self.masters.items()}
-        self.trainable = [p for p in sharding.owner_of if p.requires_grad]
-        self.shares = [(owner, [p for p in self.trainable if sharding.owner_of[p] == owner])
-                       for owner in sorted({sharding.owner_of[p] for p in self.trainable})]
+        self._replicas_with_grad: dict[nn.Parameter, torch.Tensor] = {}  # since the last step
+        self.buckets = GradientBuckets(sharding.owner_of, sharding.group, self._accumulate, passes, deferred)
         self._versions = self._current_versions()
 
     def _master(self, param: nn.Parameter) -> torch.Tensor:
@@ -77,60 +70,25 @@ class MasterWeights:
         return {p: local_tensor(p)._version for p in self.masters}
 
     @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """Add the replicas' half-precision gradients, averaged in fp32, into the owners' master gradients."""
-        present = self._present()
-        if not present:
-            return
-        pending = None
-        for owner, params in self.shares:
-            params = [p for p in params if p in present]
-            if not params:
-                continue
-            flat = self._take_gradients(params)
-            work = (dist.reduce(flat, dst=owner, group=self.sharding.group, async_op=True)
-                    if self.sharding.group.size() > 1 else None)
-            if pending is not None:
-                self._receive(*pending)
-            pending = (owner, params, flat, work)
-        if pending is not None:
-            self._receive(*pending)
-
-    def _present(self) -> set[nn.Parameter]:
-        """Parameters with a gradient on any replica (one missing elsewhere counts as zeros, as in one process)."""
-        if not self.trainable:
-            return set()
-        device = local_tensor(self.trainable[0]).device
-        has = torch.tensor([p.grad is not None for p in self.trainable], dtype=torch.int32, device=device)
-        if self.sharding.group.size() > 1:
-            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.sharding.group)
-        return {p for p, flag in zip(self.trainable, has.tolist()) if flag}
-
-    @staticmethod
-    def _take_gradients(params: list[nn.Parameter]) -> torch.Tensor:
-        """The local gradients of `params` as one fp32 vector; the half-precision ones are freed."""
-        sizes = [local_tensor(p).numel() for p in params]
-        flat = torch.empty(sum(sizes), dtype=torch.float32, device=local_tensor(params[0]).device)
-        for param, piece in zip(params, flat.split(sizes)):
-            if param.grad is None:
-                piece.zero_()
-            else:
-                piece.copy_(_local_grad(param).reshape(-1))
-                param.grad = None
-        return flat
-
-    def _receive(self, owner: int, params: list[nn.Parameter], flat: torch.Tensor, work: Optional[dist.Work]) -> None:
-        if work is not None:
-            work.wait()
-        if owner != dist.get_rank():
-            return
-        flat.div_(self.sharding.group.size())
-        for param, piece in zip(params, flat.split([local_tensor(p).numel() for p in params])):
+    def _accumulate(self, params: list[nn.Parameter], grads: list[torch.Tensor], replicas: torch.Tensor) -> None:
+        """Add one bucket's averaged fp32 gradients into the masters' gradients; count on the device the replicas
+        that had each, so backward never waits for the device."""
+        for param, grad, count in zip(params, grads, replicas.unbind()):
             master = self.masters[param]
             if master.grad is None:
-                master.grad = piece.view_as(master)
+                master.grad, self._replicas_with_grad[param] = grad.view_as(master), count
             else:
-                master.grad.add_(piece.view_as(master))
+                master.grad.add_(grad.view_as(master))
+                self._replicas_with_grad[param] = self._replicas_with_grad[param] + count
+
+    def drop_absent_gradients(self) -> None:
+        """A master whose parameter no replica had a gradient for keeps none, so the optimizer skips it as it
+        would in one process (read at the step, which waits for the device anyway)."""
+        counts = torch.stack(list(self._replicas_with_grad.values())).tolist() if self._replicas_with_grad else []
+        for param, count in zip(self._replicas_with_grad, counts):
+            if count == 0:
+                self.masters[param].grad = None
+        self._replicas_with_grad = {}
 
     @torch.no_grad()
     def adopt_changed_parameters(self) -> None:

@@ -1,8 +1,8 @@
 """ZeRO-1: each data-parallel replica keeps optimizer state for its share of the parameters only.
 
 Parameters are dealt whole to the ranks of the replica group, largest first to
-the least-loaded rank, so every rank's share is about 1/n of the bytes. The
-user's own optimizer object keeps only its share in `param_groups` (so Adam's
+the least-loaded rank (shares.py), so every rank's share is about 1/n of the
+bytes. The user's own optimizer object keeps only its share in `param_groups` (so Adam's
 two fp32 moments exist for 1/n of the model; in bf16/fp16 so do the fp32 master
 copies, see master_weights.py); after each step every owner broadcasts its
 updated parameters to the other replicas.
@@ -19,21 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .shares import assign_owners
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a tensor-parallel DTensor, or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def assign_owners(sizes: list[int], ranks: int) -> list[int]:
-    """Owner rank of each parameter: largest first, each to the least-loaded rank (ties: lowest rank)."""
-    load = [0] * ranks
-    owners = [0] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        owner = min(range(ranks), key=lambda r: (load[r], r))
-        owners[index] = owner
-        load[owner] += sizes[index]
-    return owners
 
 
 class OptimizerStateSharding:

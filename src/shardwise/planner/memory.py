@@ -5,7 +5,8 @@ Model states follow the ZeRO paper's accounting for what shardwise runs
 fp32 parameters 4a, gradients 4a and Adam moments 8a, DDP's gradient buckets 4a
 more (fp32 DDP = 20a, seed 003); ZeRO-1 shards the moments (8a/n on average,
 more on the busiest rank), and in bf16/fp16 keeps SMP's layout: parameters 2a and
-gradients 2a on every replica, fp32 masters and moments 12a/n; ZeRO-2/3 shard all
+gradients at most 2a on every replica (buckets carry them off during backward),
+fp32 masters and moments 12a/n; ZeRO-2/3 shard all
 three (16a/n). With MiCS, n is the partition-group size; ZeRO-1 shards over every
 data-parallel rank.
 """
@@ -21,8 +22,8 @@ from . import assumptions as A
 from .activations import rank_activations
 from .hardware import DeviceSpec, Kernels
 from .spec import ModelSpec
-from .wrapping import (comm_buffer_bytes, gathered_bytes, numerics, optimizer_bytes, optimizer_share, shard_degrees,
-                       stored_bytes)
+from .wrapping import (comm_buffer_bytes, gathered_bytes, gradient_fraction, numerics, optimizer_bytes,
+                       optimizer_share, shard_degrees, stored_bytes)
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,15 @@ class MemoryBreakdown:
 
 
 def model_state_bytes(parameters: float, config: ShardwiseConfig, layout: Layout,
-                      optimizer_fraction: Optional[float] = None) -> dict[str, float]:
+                      optimizer_fraction: Optional[float] = None, gradient_fraction: float = 1.0) -> dict[str, float]:
     """Parameters, gradients and optimizer states for `parameters` on one rank; the busiest
-    rank's `optimizer_fraction` of the moments (and masters; default: an even split)."""
+    rank's `optimizer_fraction` of the moments (and masters; default: an even split), and the
+    `gradient_fraction` of the gradients alive at once."""
     params_n, grads_n, optim_n = shard_degrees(config, layout)
     share = 1 / optim_n if optimizer_fraction is None else optimizer_fraction
     stored = stored_bytes(config)
-    return {"parameters": stored * parameters / params_n, "gradients": stored * parameters / grads_n,
+    return {"parameters": stored * parameters / params_n,
+            "gradients": stored * parameters / grads_n * gradient_fraction,
             "optimizer": optimizer_bytes(config) * parameters * share}
 
 
@@ -85,7 +88,7 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     """
     kernels = device.kernels if device else Kernels()
     states = model_state_bytes(spec.stage_parameters(layout.pp) / layout.tp, config, layout,
-                               optimizer_share(spec, config, layout))
+                               optimizer_share(spec, config, layout), gradient_fraction(spec, config, layout))
     gathered = gathered_bytes(spec, config, layout)
     acts = rank_activations(spec, seq=seq, micro_batch=micro_batch, numerics=numerics(config, layout),
                             tp=layout.tp, pp=layout.pp, in_flight=in_flight_microbatches(config, layout),

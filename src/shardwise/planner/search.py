@@ -198,7 +198,11 @@ def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch:
 
 
 def _sharding_choices(dp: int) -> list[tuple[int, int]]:
-    """(ZeRO stage, partition group): DDP; with dp > 1 also ZeRO-1, and ZeRO-2/3 in every group size."""
+    """(ZeRO stage, partition group): DDP; with dp > 1 also ZeRO-1, and ZeRO-2/3 in every group size.
+
+    ZeRO-1 of one replica shards nothing: in fp32 it is DDP, and in bf16/fp16 its half-precision
+    parameters (2a) come with fp32 masters and master gradients of the whole model: 18a with Adam's
+    moments, where DDP keeps 16a."""
     if dp == 1:
         return [(0, 1)]
     return [(0, 1), (1, 1)] + [(stage, group) for group in _divisors(dp)[1:] for stage in (2, 3)]

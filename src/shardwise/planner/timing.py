@@ -5,9 +5,10 @@ backward (2F, plus F again for recomputed blocks) at the achievable FLOP/s. ZeRO
 gathers and gradient reduction run per block while compute proceeds, so each
 phase lasts max(compute, comm) plus the share overlap cannot hide plus one
 block's worth that cannot overlap at all (the first gather, the last reduce).
-Tensor-parallel all-reduces sit on the critical path; so do ZeRO-1's parameter
-broadcasts after the optimizer step (and in bf16/fp16 its gradient reduces to the
-owners), pipeline fill/drain sends and the update itself.
+ZeRO-1's gradient reduces to the owners in bf16/fp16 overlap every backward (under
+a pipeline the last one), as DDP's all-reduce overlaps the last. Tensor-parallel
+all-reduces sit on the critical path; so do ZeRO-1's parameter broadcasts after the
+optimizer step, pipeline fill/drain sends and the update itself.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .hardware import ClusterSpec
 from .memory import in_flight_microbatches
 from .spec import ModelSpec
-from .wrapping import FP32_BYTES, REDUCE_BYTES, compute_bytes, optimizer_share, stored_bytes
+from .wrapping import FP32_BYTES, REDUCE_BYTES, compute_bytes, optimizer_share, reduce_buckets, stored_bytes
 
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
-         "microbatch_end": "after each microbatch's backward", "before_step": "before the optimizer step",
          "after_step": "after the optimizer step", "critical": "critical path"}
 
 
@@ -72,12 +72,12 @@ def _phase(window: float, comm: LinkTime, units: int) -> float:
 
 
 class _Traffic:
-    """Collects a step's collectives by when they run: per microbatch (forward, backward, or exposed at its
-    end), once with the last backward (sync), before or after the optimizer step, or on the critical path."""
+    """Collects a step's collectives by when they run: per microbatch (forward, backward), once with the last
+    backward (sync), after the optimizer step, or on the critical path."""
 
     def __init__(self, cluster: ClusterSpec, layout: Layout, microbatches: int, blocks: int):
         self.cluster, self.layout, self.microbatches, self.blocks = cluster, layout, microbatches, blocks
-        self.forward = self.backward = self.sync = self.microbatch_end = self.before_step = self.after_step = LinkTime()
+        self.forward = self.backward = self.sync = self.after_step = LinkTime()
         self.records: list[Collective] = []
 
     def add(self, when: str, kind: str, nbytes: float, axes: tuple[str, ...], label: str, calls: int = 0) -> LinkTime:
@@ -90,7 +90,7 @@ class _Traffic:
             return t
         if when != "critical":
             setattr(self, when, getattr(self, when) + t)
-        count = self.microbatches if when in ("forward", "backward", "microbatch_end", "critical") else 1
+        count = self.microbatches if when in ("forward", "backward", "critical") else 1
         self.records.append(Collective(f"{label} {kind.replace('_', '-')} ({_WHEN[when]})",
                                        "×".join(a for a in axes if getattr(self.layout, a) > 1),
                                        nbytes * count, t.link, t.serial * count))
@@ -101,9 +101,9 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     """Which collectives each ZeRO stage issues, on which group, and when (seed 000's MiCS included).
 
     As `wrapping.py` describes the runtime: DDP all-reduces fp32 gradients (fp32 ZeRO-1 too);
-    ZeRO-1 in bf16/fp16 reduces them in fp32 to each share's owner instead, after every
-    microbatch (once per step under a pipeline schedule); ZeRO-1 then broadcasts the
-    parameters each rank updated, one tensor at a time, in their stored dtype. FSDP2 gathers
+    ZeRO-1 in bf16/fp16 reduces them in fp32 to their owners instead, bucket by bucket during
+    every microbatch's backward (the last one's under a pipeline schedule); ZeRO-1 then broadcasts
+    the parameters each rank updated, one tensor at a time, in their stored dtype. FSDP2 gathers
     the compute copies every forward (ZeRO-3 again in backward) and reduce-scatters fp32 gradients.
     """
     stage = config.effective_zero_stage
@@ -111,8 +111,8 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     grads = REDUCE_BYTES * rank_params
     if stage <= 1:
         if config.sharded_master_weights:
-            when = "before_step" if layout.pp > 1 else "microbatch_end"
-            traffic.add(when, "reduce", grads, _DP_AXES, "gradient", layout.dp)
+            traffic.add("sync" if layout.pp > 1 else "backward", "reduce", grads, _DP_AXES, "gradient",
+                        reduce_buckets(spec, layout).count)
         else:
             traffic.add("sync", "all_reduce", grads, _DP_AXES, "gradient")
         if stage == 1:
@@ -181,8 +181,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     t_last = fwd_phase + _phase(2 * forward + recompute, traffic.backward + traffic.sync, layers) + tp_time
     slots = max(m + pp - 1, m * pp / in_flight_microbatches(config, layout)) if pp > 1 else m
     time = StepTime(compute=3 * forward * m, recompute=recompute * m, tensor_parallel=tp_time * m,
-                    data_parallel=m * (t_mb - busy) + (t_last - t_mb) + m * traffic.microbatch_end.serial
-                    + traffic.before_step.serial + traffic.after_step.serial,
+                    data_parallel=m * (t_mb - busy) + (t_last - t_mb) + traffic.after_step.serial,
                     pipeline_bubble=(slots - m) * t_mb, pipeline_p2p=_pipeline_p2p(traffic, cluster, activation),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
                     offload=_offload_seconds(config, cluster, checkpointing, layers, activation, m * busy))

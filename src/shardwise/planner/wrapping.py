@@ -12,10 +12,12 @@ Measured with MemTracker on the runtime itself (tests/test_planner_measured.py):
   state, and broadcasts each updated tensor from its owner after the step.
 - ZeRO-1 in bf16/fp16 (parallel/master_weights.py) keeps parameters and gradients
   in the compute dtype on every replica and fp32 masters of the rank's share beside
-  the optimizer's moments; it computes as FSDP2 does (fp32 outputs). After every
-  microbatch (once per step under a pipeline) each owner's share of the gradients
-  is reduced to it in fp32, through at most three fp32 buffers of one share each:
-  the owner's master gradients and two in flight.
+  the optimizer's moments; it computes as FSDP2 does (fp32 outputs). During every
+  backward pass (under a pipeline, the last microbatch's) gradients travel to their
+  owners in fp32 buckets of one owner each (parallel/gradient_buckets.py, whose
+  rules `shares.py` gives): a bucket's half-precision gradients are freed when it
+  is sent, so only those waiting for their bucket are alive at once, and beside
+  the owner's fp32 master gradients at most two buckets are in flight.
 - ZeRO-2/3 and MiCS run FSDP2 (`fully_shard` per block, then the root). Parameters
   are stored sharded in fp32 (they are the master copy) and gathered in the compute
   dtype: ZeRO-2 keeps every block gathered from its forward to its backward, ZeRO-3
@@ -25,10 +27,11 @@ Measured with MemTracker on the runtime itself (tests/test_planner_measured.py):
 
 from __future__ import annotations
 
-import heapq
 from functools import lru_cache
+from typing import NamedTuple
 
 from ..config.schema import ShardwiseConfig
+from ..parallel.shares import BUCKET_BYTES, IN_FLIGHT, assign_owners, fill_buckets
 from ..topology import Layout
 from . import assumptions as A
 from .activations import Numerics
@@ -92,11 +95,47 @@ def shard_degrees(config: ShardwiseConfig, layout: Layout) -> tuple[int, int, in
 
 @lru_cache(maxsize=1024)
 def _busiest_share(sizes: tuple[float, ...], ranks: int) -> float:
-    """Share of the total the busiest rank gets when tensors go, largest first, to the least-loaded rank."""
+    """Share of the total the busiest rank gets when ZeRO-1 deals the tensors."""
     loads = [0.0] * ranks
-    for size in sorted(sizes, reverse=True):
-        heapq.heapreplace(loads, loads[0] + size)
+    for size, owner in zip(sizes, assign_owners(list(sizes), ranks)):
+        loads[owner] += size
     return max(loads) / sum(sizes)
+
+
+class Buckets(NamedTuple):
+    """ZeRO-1's gradient buckets in bf16/fp16, in elements."""
+
+    count: int
+    largest: float
+    waiting: float  # most gradient elements alive at once, waiting for their bucket to be sent
+
+
+@lru_cache(maxsize=1024)
+def _buckets(sizes: tuple[float, ...], ranks: int) -> Buckets:
+    """The buckets gradient_buckets.py makes of these tensors, with gradients arriving in reverse order."""
+    order = list(sizes[::-1])
+    filled = fill_buckets(order, assign_owners(list(sizes), ranks)[::-1], BUCKET_BYTES)
+    sent_at = {indices[-1]: sum(order[i] for i in indices) for _, indices in filled}
+    alive = waiting = 0.0
+    for index, size in enumerate(order):
+        alive += size
+        waiting = max(waiting, alive)
+        alive -= sent_at.get(index, 0.0)
+    return Buckets(len(filled), max(sent_at.values()), waiting)
+
+
+def reduce_buckets(spec: ModelSpec, layout: Layout) -> Buckets:
+    """ZeRO-1's buckets on the busiest stage, tensors divided by `tp`."""
+    return _buckets(tuple(t / layout.tp for t in spec.stage_tensors(layout.pp)), layout.dp)
+
+
+def gradient_fraction(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
+    """Share of the rank's gradients alive at their peak: all of them, except under ZeRO-1 in bf16/fp16 without
+    a pipeline, which sends and frees them bucket by bucket in every backward pass (a pipeline schedule
+    accumulates its microbatches in them first)."""
+    if not config.sharded_master_weights or layout.pp > 1:
+        return 1.0
+    return reduce_buckets(spec, layout).waiting * layout.tp / spec.stage_parameters(layout.pp)
 
 
 def optimizer_share(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
@@ -122,14 +161,15 @@ def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> 
 
 def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int) -> float:
     """DDP's fp32 bucket copy of every gradient; FSDP2's unsharded block gradients and their fp32
-    reduce-scatter input; ZeRO-1's fp32 master gradients and reduce buffers in bf16/fp16; pipeline
+    reduce-scatter input; ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16; pipeline
     send/receive buffers."""
     low = compute_bytes(config)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
     if fully_sharded(config):
         buffers = spec.layer_parameters / layout.tp * (low + REDUCE_BYTES)
     elif config.sharded_master_weights:
-        buffers = min(3, layout.dp) * REDUCE_BYTES * rank_params * optimizer_share(spec, config, layout)
+        in_flight = IN_FLIGHT * reduce_buckets(spec, layout).largest
+        buffers = REDUCE_BYTES * (rank_params * optimizer_share(spec, config, layout) + in_flight)
     else:
         buffers = REDUCE_BYTES * rank_params if layout.dp > 1 else 0.0
     if layout.pp > 1:

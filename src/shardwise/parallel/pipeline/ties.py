@@ -121,6 +121,10 @@ class TiedWeights:
             for copy in copies:
                 _local(copy.grad).copy_(total)
 
+    def held(self) -> set[int]:
+        """ids of every copy on this rank (`sum_grads` rewrites their gradients)."""
+        return {id(copy) for group in self.groups for copy in self._copies(group)}
+
     def duplicates(self) -> set[int]:
         """ids of the copies a global norm must skip, so each tied weight counts once."""
         return {id(self.model.get_parameter(name)) for g in self.groups

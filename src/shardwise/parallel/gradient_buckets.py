@@ -1,0 +1,146 @@
+"""ZeRO-1 in bf16/fp16: gradients travel to their owners in fp32 while backward still runs.
+
+As DDP's buckets do: each owner's parameters are grouped, in reverse
+registration order (about the order backward produces their gradients), into
+buckets of about `shares.BUCKET_BYTES` of fp32. A hook on each parameter notes when
+its gradient is complete; when a bucket's last one is, its half-precision
+gradients are copied into one fp32 buffer, freed, and `reduce`d to the owner
+asynchronously, while backward computes the next ones. Every rank issues the
+buckets in the same order — one that fills early waits for those before it —
+and at most `shares.IN_FLIGHT` reduces are pending, which bounds the fp32 buffers.
+
+A *round* ends with a backward pass (or, under a pipeline, with the @step's
+schedule): the buckets still unsent go then, a parameter without a gradient as
+zeros, and every reduce is waited for and handed to the owner. Each parameter
+travels with a flag saying whether this rank had its gradient, so the owner can
+tell a gradient no replica produced (which the optimizer must skip, as in one
+process) from a zero one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import shares
+from .optimizer_state import local_tensor
+
+# Called on the owner with a bucket's parameters, their gradients averaged over the replicas (fp32, flat
+# pieces) and how many replicas had each one (a tensor on the device: reading it would wait for the device).
+Deliver = Callable[[list[nn.Parameter], list[torch.Tensor], torch.Tensor], None]
+
+
+def _local_grad(param: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `param`'s gradient, laid out as the parameter is (a DTensor gradient may come
+    back replicated or partial where the parameter is sharded)."""
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        if grad.placements != param.placements:
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        return grad.to_local()
+    return grad
+
+
+class _Bucket:
+    """Parameters of one owner whose gradients travel in one reduce."""
+
+    def __init__(self, owner: int, params: list[nn.Parameter]):
+        self.owner = owner
+        self.params = params
+        self.sizes = [local_tensor(p).numel() for p in params]
+        self.complete = 0  # parameters whose gradient is final in this round
+
+
+def _fill(params: list[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[_Bucket]:
+    """Buckets of one owner each, in the order they fill when gradients come in the order of `params`."""
+    sizes = [local_tensor(p).numel() for p in params]
+    filled = shares.fill_buckets(sizes, [owner_of[p] for p in params], shares.BUCKET_BYTES)
+    return [_Bucket(owner, [params[i] for i in indices]) for owner, indices in filled]
+
+
+class GradientBuckets:
+    """Reduces the gradients of `owner_of`'s trainable parameters to their owners in buckets, during backward.
+
+    `passes`: None ends a round with every backward pass; a number k means each parameter's gradient is
+    complete after k backward passes (a pipeline schedule's microbatches) and the caller ends the round
+    with `end_round` once the schedule is done. Parameters in `deferred` are sent only when the round ends
+    (tied weights whose gradients the pipeline sums across stages after the schedule).
+    """
+
+    def __init__(self, owner_of: dict[nn.Parameter, int], group: dist.ProcessGroup, deliver: Deliver,
+                 passes: Optional[int] = None, deferred: frozenset[int] = frozenset()):
+        self.group, self.deliver, self.passes = group, deliver, passes
+        backward_order = [p for p in reversed(owner_of) if p.requires_grad]
+        self.buckets = (_fill([p for p in backward_order if id(p) not in deferred], owner_of)
+                        + _fill([p for p in backward_order if id(p) in deferred], owner_of))
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._passes_seen = {p: 0 for p in self._bucket_of}
+        self._next = 0  # the next bucket to send, in the order every rank follows
+        self._in_flight: deque[tuple[_Bucket, torch.Tensor, Optional[dist.Work]]] = deque()
+        self._round_open = False
+        for param in self._bucket_of:
+            if id(param) not in deferred:
+                param.register_post_accumulate_grad_hook(self._gradient_accumulated)
+
+    @torch.no_grad()
+    def _gradient_accumulated(self, param: nn.Parameter) -> None:
+        if self.passes is None and not self._round_open:
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_round)
+        self._round_open = True
+        self._passes_seen[param] += 1
+        if self._passes_seen[param] != (self.passes or 1):
+            return
+        self._bucket_of[param].complete += 1
+        while self._next < len(self.buckets) and self._full(self.buckets[self._next]):
+            self._send(self.buckets[self._next])
+
+    @staticmethod
+    def _full(bucket: _Bucket) -> bool:
+        return bucket.complete == len(bucket.params)
+
+    @torch.no_grad()
+    def end_round(self) -> None:
+        """Send what is left, wait for every reduce, hand the sums to the owners; the next round starts afresh."""
+        while self._next < len(self.buckets):
+            self._send(self.buckets[self._next])
+        while self._in_flight:
+            self._receive(*self._in_flight.popleft())
+        self._next, self._round_open = 0, False
+        for bucket in self.buckets:
+            bucket.complete = 0
+        self._passes_seen = dict.fromkeys(self._passes_seen, 0)
+
+    def _send(self, bucket: _Bucket) -> None:
+        """Copy the bucket's gradients into one fp32 buffer (flags after them), free them, start the reduce."""
+        while len(self._in_flight) >= shares.IN_FLIGHT:
+            self._receive(*self._in_flight.popleft())
+        params = bucket.params
+        first = local_tensor(params[0])
+        flat = torch.empty(sum(bucket.sizes) + len(params), dtype=torch.float32, device=first.device)
+        *pieces, flags = flat.split(bucket.sizes + [len(params)])
+        present = [p.grad is not None for p in params]
+        for param, piece, has in zip(params, pieces, present):
+            if has:
+                piece.copy_(_local_grad(param).reshape(-1))
+                param.grad = None
+            else:
+                piece.zero_()
+        flags.copy_(torch.tensor(present, dtype=torch.float32))
+        work = (dist.reduce(flat, dst=bucket.owner, group=self.group, async_op=True)
+                if self.group.size() > 1 else None)
+        self._in_flight.append((bucket, flat, work))
+        self._next += 1
+
+    def _receive(self, bucket: _Bucket, flat: torch.Tensor, work: Optional[dist.Work]) -> None:
+        if work is not None:
+            work.wait()
+        if bucket.owner != dist.get_rank():
+            return
+        *pieces, flags = flat.split(bucket.sizes + [len(bucket.params)])
+        replicas = self.group.size()
+        self.deliver(bucket.params, [piece.div_(replicas) for piece in pieces], flags)
