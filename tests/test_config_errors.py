@@ -68,6 +68,14 @@ CASES = {
     "ZeRO stage too low for a partition group": (
         {"zero_stage": 1, "sharded_data_parallel_degree": 2}, None,
         "zero_stage=1: sharded_data_parallel_degree > 1 shards parameters or gradients (stage 2 or 3)"),
+    "sequence parallelism without tensor parallelism": (
+        {"sequence_parallel": True}, None,
+        "sequence_parallel=True: needs tensor_parallel_degree > 1 (it shards what tensor parallelism leaves whole); "
+        "fix: set tensor_parallel_degree to 2 or more, or drop sequence_parallel"),
+    "sequence parallelism with pipeline stages": (
+        {"sequence_parallel": True, "tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, None,
+        "sequence_parallel=True: is not available with pipeline_parallel_degree > 1 yet; "
+        "fix: drop sequence_parallel, or set pipeline_parallel_degree to 1"),
     "ddp off with several replicas": (
         {"ddp": False}, (1, 4),
         "ddp=False: gradients must be synchronised across the 4 data-parallel ranks"),

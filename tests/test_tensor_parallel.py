@@ -105,13 +105,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-3)).item()
 
 
-def _setup(kind: str, tp: int, prescaled: bool, vocab: int, fsdp: bool, bf16: bool = False):
+def _setup(kind: str, tp: int, prescaled: bool, vocab: int, fsdp: bool, bf16: bool = False, sequence: bool = False):
     device = local_device(int(os.environ.get("LOCAL_RANK", 0)))
     mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp_shard", "tp"))
     torch.manual_seed(0)
     reference = MODELS[kind](vocab).to(device)
     model = copy.deepcopy(reference)
-    config = parse_config({"tensor_parallel_degree": tp, "prescaled_batch": prescaled, "bf16": bf16})
+    config = parse_config({"tensor_parallel_degree": tp, "prescaled_batch": prescaled, "bf16": bf16,
+                           "sequence_parallel": sequence})
     apply_tensor_parallel(model, mesh["tp"], config, USER_PLANS.get(kind))
     if fsdp:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
@@ -129,13 +130,13 @@ def _mean_over_ranks(loss: torch.Tensor) -> float:
 
 
 def train(kind: str, tp: int, prescaled: bool, *, optimizer: str = "sgd", steps: int = 3, vocab: int = 256,
-          fsdp: bool = False, bf16: bool = False, model_loss: bool = False) -> dict:
+          fsdp: bool = False, bf16: bool = False, model_loss: bool = False, sequence: bool = False) -> dict:
     """One rank: train the plain model on the global batch and the split one on this rank's rows.
 
     With FSDP the batch handling runs as forward hooks next to FSDP's own; without,
     as explicit gather/split calls. bf16 without FSDP is autocast, as for DDP.
     """
-    device, mesh, reference, model = _setup(kind, tp, prescaled, vocab, fsdp, bf16)
+    device, mesh, reference, model = _setup(kind, tp, prescaled, vocab, fsdp, bf16, sequence)
     make = ((lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if optimizer == "sgd"
             else (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))
     ref_opt, opt = make(reference.parameters()), make(model.parameters())
@@ -260,21 +261,26 @@ def test_no_rank_holds_the_group_logits():
     assert run_distributed(logits_shape, 2, False) == [[ROWS, SEQ, 256]] * 2
 
 
-def block_collectives(kind: str) -> dict:
-    _, _, _, model = _setup(kind, 2, True, 256, fsdp=False)
+def block_collectives(kind: str, sequence: bool = False) -> dict:
+    """Collectives of the first block in forward and in backward (with `sequence`, it also enters the
+    sequence shards: its input is cut to this rank's slice, and the slice's gradient all-gathered)."""
+    _, _, _, model = _setup(kind, 2, True, 256, fsdp=False, sequence=sequence)
     hidden = torch.randn(ROWS, SEQ, 64, device=next(model.parameters()).device, requires_grad=True)
     if kind == "gpt2":
         block, extra = model.transformer.h[0], {}
     else:
         block = model.model.layers[0]
         extra = {"position_embeddings": model.model.rotary_emb(hidden, torch.arange(SEQ, device=hidden.device)[None])}
-    with CommDebugMode() as comms:
+    with CommDebugMode() as forward:
         out = block(hidden, **extra)
+    with CommDebugMode() as backward:
         (out[0] if isinstance(out, tuple) else out).sum().backward()
-    return {str(op): n for op, n in comms.get_comm_counts().items()}
+    return {name: {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+            for name, comms in (("forward", forward), ("backward", backward))}
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_one_all_reduce_per_attention_and_mlp_each_way(kind):
     """Forward: attention + MLP all-reduce their outputs; backward: their inputs' gradients, once each."""
-    assert run_distributed(block_collectives, 2, kind)[0] == {"c10d_functional.all_reduce": 4}
+    assert run_distributed(block_collectives, 2, kind)[0] == {"forward": {"all_reduce": 2},
+                                                              "backward": {"all_reduce": 2}}

@@ -34,6 +34,8 @@ class ShardwiseConfig(BaseModel):
     )
     shard_optimizer_state: bool = Field(False, description="ZeRO-1: shard optimizer states over data-parallel ranks.")
     tensor_parallel_degree: int = Field(1, ge=1, description="Ranks inside a node that split each layer.")
+    sequence_parallel: bool = Field(False, description="With tensor parallelism, shard the activations between the "
+                                    "split layers (norms, dropouts, residual stream) over the sequence.")
     pipeline_parallel_degree: int = Field(1, ge=1, description="Pipeline stages (across nodes).")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"] = Field(
         "1f1b", description="Pipeline schedule (torch.distributed.pipelining); interleaved and zero-bubble ones "

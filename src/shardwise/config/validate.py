@@ -43,6 +43,12 @@ def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
         lower = 1 << (tp.bit_length() - 1)
         yield Problem("tensor_parallel_degree", tp, "must be a power of two",
                       f"use {lower} or {lower * 2}")
+    if c.sequence_parallel and tp == 1:
+        yield Problem("sequence_parallel", True, "needs tensor_parallel_degree > 1 (it shards what tensor "
+                      "parallelism leaves whole)", "set tensor_parallel_degree to 2 or more, or drop sequence_parallel")
+    if c.sequence_parallel and c.pipeline_parallel_degree > 1:
+        yield Problem("sequence_parallel", True, "is not available with pipeline_parallel_degree > 1 yet",
+                      "drop sequence_parallel, or set pipeline_parallel_degree to 1")
     if c.bf16 and c.fp16:
         yield Problem("fp16", True, "bf16 and fp16 cannot both be on", "set only one of them")
     if c.active_microbatches is not None and c.active_microbatches > c.microbatches:

@@ -7,20 +7,20 @@
         loss = loss_fn(batch.split(model(*args, **kwargs)))
         loss.backward()
 
-See docs/tensor_parallel.md for plans, rules, prescaled_batch and loss scaling.
+See docs/tensor_parallel.md for plans, rules, sequence parallelism, prescaled_batch and loss scaling.
 """
 
 from .apply import PlanLike, apply_tensor_parallel, plan_for
 from .batch import TensorParallelBatch, gather_batch, split_outputs
 from .loss import loss_context
-from .plan import TensorParallelPlan
+from .plan import SequencePlan, TensorParallelPlan
 from .registry import BUILTIN_MODEL_TYPES, builtin_plan
 from .rules import check_tensor_parallel
 from .state import full_state_dict
 from .styles import STYLE_NAMES, Colwise, Rowwise
 
 __all__ = [
-    "BUILTIN_MODEL_TYPES", "STYLE_NAMES", "Colwise", "PlanLike", "Rowwise", "TensorParallelBatch", "TensorParallelPlan",
-    "apply_tensor_parallel", "builtin_plan", "check_tensor_parallel", "full_state_dict", "gather_batch",
-    "loss_context", "plan_for", "split_outputs",
+    "BUILTIN_MODEL_TYPES", "STYLE_NAMES", "Colwise", "PlanLike", "Rowwise", "SequencePlan", "TensorParallelBatch",
+    "TensorParallelPlan", "apply_tensor_parallel", "builtin_plan", "check_tensor_parallel", "full_state_dict",
+    "gather_batch", "loss_context", "plan_for", "split_outputs",
 ]

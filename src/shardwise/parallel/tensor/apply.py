@@ -1,7 +1,8 @@
 """`apply_tensor_parallel`: split a model's layers over the `tp` mesh axis.
 
-Order inside: pick the plan, check every rule (no collective has run yet), split
-with `parallelize_module`, re-tie shared weights, make per-rank head counts
+Order inside: pick the plan, check every rule (no collective has run yet), with
+`sequence_parallel` shard the blocks' activations over the sequence (sequence.py),
+split with `parallelize_module`, re-tie shared weights, make per-rank head counts
 local. Parameters keep their names and become DTensors, so `state_dict()` reads
 like the unsplit model's and `full_tensor()` gives the whole weight back.
 """
@@ -22,6 +23,7 @@ from .loss import VOCAB_SHARDED_OUTPUT
 from .plan import PLAN_KEY, TensorParallelPlan, assignments, resolve
 from .registry import BUILTIN_MODEL_TYPES, builtin_plan
 from .rules import TP_KEY, check_tensor_parallel, tied_parameters
+from .sequence import shard_sequence
 from .styles import StyleSpec, make_style
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, config: Shardwi
         log.warning(note)
     entries = assignments(model, plan)
     tied = tied_parameters(model)
-    parallelize_module(model, tp_mesh, {
-        path: make_style(entry.spec, loss_parallel=loss_parallel) for path, entry in entries.items()})
+    styles = {path: make_style(entry.spec, loss_parallel=loss_parallel) for path, entry in entries.items()}
+    if config.sequence_parallel:
+        styles = shard_sequence(model, tp_mesh, plan, entries, styles)
+    parallelize_module(model, tp_mesh, styles)
     _retie(model, tied)
     _localize(model, plan, tp)
     has_vocab_head = any(entry.spec == "vocab_head" for entry in entries.values())

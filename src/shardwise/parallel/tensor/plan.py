@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Optional
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -20,6 +20,23 @@ from ...config.errors import ConfigError, Problem, did_you_mean
 from .styles import STYLE_NAMES, StyleSpec
 
 PLAN_KEY = "tensor_parallel_plan"
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """Where sequence parallelism shards activations over the sequence dim (`sequence.py`).
+
+    blocks: pattern of the transformer blocks, which the model body runs one after
+        another; the sequence-sharded region runs from the first one's input to
+        the last one's output, so the body itself only ever sees the full sequence.
+    norms: patterns of the modules with weights that run on sequence shards inside
+        the blocks (norms); their weights stay whole and their gradients are summed
+        over the shards. Inside the blocks everything else between the tensor-parallel
+        layers must work token by token (residual adds, dropouts).
+    """
+
+    blocks: str
+    norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,12 +51,15 @@ class TensorParallelPlan:
     dims: named model sizes the TP degree must divide (heads, hidden, MLP), so error
         messages speak the model config's language; when none is broken, the sizes
         of the split weights and of `local_attrs` are checked instead.
+    sequence: where sequence parallelism may shard the residual stream (see
+        `SequencePlan`); None if the plan does not support it.
     """
 
     styles: Mapping[str, StyleSpec]
     local_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dims: Mapping[str, int] = field(default_factory=dict)
     name: str = "user"
+    sequence: Optional[SequencePlan] = None
 
     def __post_init__(self) -> None:
         problems = [

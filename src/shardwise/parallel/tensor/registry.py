@@ -5,7 +5,8 @@ heads / MLP hidden units are column-parallel, the projections back are
 row-parallel, so a block costs one all-reduce forward and one backward per
 attention and per MLP, and each rank runs num_heads / tp whole heads. The token
 embedding and the output head are split over the vocabulary. Norms, position
-embeddings and small classifier heads stay replicated.
+embeddings and small classifier heads stay replicated; with sequence parallelism
+the norms inside the blocks run on sequence shards (`SequencePlan`).
 
 Patterns are written against the base model (`model.base_model`), so one plan
 serves the bare model and every head class (…ForCausalLM, …ForMaskedLM, …).
@@ -20,7 +21,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from .plan import TensorParallelPlan
+from .plan import SequencePlan, TensorParallelPlan
 
 
 def _base_prefix(model: nn.Module) -> str:
@@ -52,7 +53,7 @@ def _gpt2(model: nn.Module, c) -> TensorParallelPlan:
     return TensorParallelPlan(
         styles, local_attrs={f"{p}h.*.attn": ("split_size", "num_heads")},
         dims={"n_head": c.n_head, "n_embd": c.n_embd, "n_inner": c.n_inner or 4 * c.n_embd},
-        name="gpt2")
+        name="gpt2", sequence=SequencePlan(f"{p}h.*", (f"{p}h.*.ln_1", f"{p}h.*.ln_2")))
 
 
 def _llama(model: nn.Module, c) -> TensorParallelPlan:
@@ -71,7 +72,9 @@ def _llama(model: nn.Module, c) -> TensorParallelPlan:
         styles, local_attrs={attn: ("num_heads", "num_key_value_heads", "hidden_size")},
         dims={"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
               "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size},
-        name=c.model_type)
+        name=c.model_type,
+        sequence=SequencePlan(f"{p}layers.*", (f"{p}layers.*.input_layernorm",
+                                               f"{p}layers.*.post_attention_layernorm")))
 
 
 def _bert(model: nn.Module, c) -> TensorParallelPlan:
@@ -91,7 +94,8 @@ def _bert(model: nn.Module, c) -> TensorParallelPlan:
         styles, local_attrs={f"{layer}.attention.self": ("num_attention_heads", "all_head_size")},
         dims={"num_attention_heads": c.num_attention_heads, "hidden_size": c.hidden_size,
               "intermediate_size": c.intermediate_size},
-        name="bert")
+        name="bert",
+        sequence=SequencePlan(layer, (f"{layer}.attention.output.LayerNorm", f"{layer}.output.LayerNorm")))
 
 
 def _vit(model: nn.Module, c) -> TensorParallelPlan:
@@ -108,7 +112,8 @@ def _vit(model: nn.Module, c) -> TensorParallelPlan:
         styles, local_attrs={attn: ("num_attention_heads",)},
         dims={"num_attention_heads": c.num_attention_heads, "hidden_size": c.hidden_size,
               "intermediate_size": c.intermediate_size},
-        name="vit")
+        name="vit",
+        sequence=SequencePlan(f"{p}layers.*", (f"{p}layers.*.layernorm_before", f"{p}layers.*.layernorm_after")))
 
 
 _BUILDERS: dict[str, Callable[[nn.Module, object], TensorParallelPlan]] = {

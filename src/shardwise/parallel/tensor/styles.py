@@ -21,7 +21,7 @@ The subclasses here add what the supported models need on top:
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from torch import nn
 from torch.distributed.tensor import DTensor, DeviceMesh, Replicate, Shard, distribute_module, distribute_tensor
@@ -139,21 +139,31 @@ class FanOut(ParallelStyle):
     When several column-parallel projections read the same input (Q, K and V; gate
     and up), each would all-reduce its own input gradient in backward. Wrapping the
     input once, here, lets autograd add their partial gradients first, so backward
-    costs one all-reduce per attention or MLP, as forward does. The input is the
-    first positional argument, else the `hidden_states=` keyword (HF's name).
+    costs one all-reduce per attention or MLP, as forward does. The input is found
+    by `map_input`. `input_layouts=Shard(1)` takes a sequence-sharded input and
+    all-gathers it (sequence parallelism; backward reduce-scatters the summed gradient).
     """
+
+    def __init__(self, *, input_layouts: Placement = Replicate()):
+        super().__init__()
+        self.input_layouts = input_layouts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def replicate(t):
-            return t if isinstance(t, DTensor) else DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
+            if not isinstance(t, DTensor):
+                t = DTensor.from_local(t, device_mesh, [self.input_layouts], run_check=False)
+            return t if t.placements == (Replicate(),) else t.redistribute(device_mesh, [Replicate()])
 
-        def hook(_, args, kwargs):
-            if args:
-                return (replicate(args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": replicate(kwargs["hidden_states"])}
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_pre_hook(lambda _, args, kwargs: map_input(args, kwargs, replicate), with_kwargs=True)
         return module
+
+
+def map_input(args: tuple, kwargs: dict, fn: Callable) -> tuple[tuple, dict]:
+    """A forward pre-hook's (args, kwargs) with `fn` applied to the module's input: the first
+    positional argument, else the `hidden_states=` keyword (HF's name)."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
 
 
 def _style_table(loss_parallel: bool) -> dict[str, ParallelStyle]:
