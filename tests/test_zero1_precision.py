@@ -417,15 +417,26 @@ def test_model_states_per_rank_are_smps():
 SMALL_BUCKET = 8 * 1024  # bytes of fp32: the 64-wide GPT-2's matrices travel alone, its vectors in groups
 
 
-class Reduces(TorchDispatchMode):
-    """Counts the c10d reduces issued (and the bytes they carry) while active."""
+def small_buckets(build_loop, *args, **kwargs):
+    """`build_loop(*args, **kwargs)` with ZeRO-1's buckets of SMALL_BUCKET bytes (read when the optimizer is
+    built); the pooled worker gets the default back."""
+    default, shares.BUCKET_BYTES = shares.BUCKET_BYTES, SMALL_BUCKET
+    try:
+        return build_loop(*args, **kwargs)
+    finally:
+        shares.BUCKET_BYTES = default
 
-    def __init__(self):
+
+class Collectives(TorchDispatchMode):
+    """Counts the c10d calls of `op` (e.g. "reduce_") issued while active, and the bytes they carry."""
+
+    def __init__(self, op: str):
         super().__init__()
+        self.op = op
         self.calls = self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func.overloadpacket.__name__ == "reduce_":
+        if func.namespace == "c10d" and func.overloadpacket.__name__ == self.op:
             self.calls += 1
             self.bytes += sum(t.nbytes for t in args[0])
         return func(*args, **(kwargs or {}))
@@ -436,13 +447,9 @@ def reduces_during_backward(microbatches: int) -> dict:
     the token embedding (whose gradient comes last), and in all; the half-precision gradient bytes alive at
     most; the buckets, and how many hold an embedding."""
     config = {"shard_optimizer_state": True, "bf16": True, "microbatches": microbatches}
-    default, shares.BUCKET_BYTES = shares.BUCKET_BYTES, SMALL_BUCKET
     alive: list[int] = []
-    try:
-        loop = SeedLoop(config, freeze_key_bias=False, before_optimizer=_watch_gradients(alive), **SIZES)
-    finally:
-        shares.BUCKET_BYTES = default
-    counter, before_embedding = Reduces(), []
+    loop = small_buckets(SeedLoop, config, freeze_key_bias=False, before_optimizer=_watch_gradients(alive), **SIZES)
+    counter, before_embedding = Collectives("reduce_"), []
     transformer = loop.model.get_module().transformer
     transformer.wte.weight.register_hook(lambda grad: before_embedding.append(counter.calls))
     with counter:
@@ -459,12 +466,8 @@ def pipeline_reduces(microbatches: int) -> dict:
     done (all microbatches' backward), and in all; the buckets, and how many hold a weight tied across stages."""
     config = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True,
               "microbatches": microbatches}
-    default, shares.BUCKET_BYTES = shares.BUCKET_BYTES, SMALL_BUCKET
-    try:
-        loop = SeedLoop(config, freeze_key_bias=False, **SIZES)
-    finally:
-        shares.BUCKET_BYTES = default
-    counter, at_schedule_end, end_round = Reduces(), [], loop.model.after_pipeline_step
+    loop = small_buckets(SeedLoop, config, freeze_key_bias=False, **SIZES)
+    counter, at_schedule_end, end_round = Collectives("reduce_"), [], loop.model.after_pipeline_step
     loop.model.after_pipeline_step = lambda: (at_schedule_end.append(counter.calls), end_round())
     with counter:
         loop.step(0)

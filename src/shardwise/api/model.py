@@ -40,6 +40,9 @@ class DistributedModel(nn.Module):
         # Set by a DistributedOptimizer that reduces gradients itself (ZeRO-1 in bf16/fp16): run after a
         # pipeline @step's schedule, once the gradients of weights tied across stages are summed.
         self.after_pipeline_step: Optional[Callable[[], None]] = None
+        # Set by a DistributedOptimizer whose step leaves parameter broadcasts in flight (ZeRO-1): waits for
+        # them. Forward waits module by module; reading or loading parameters here waits for all first.
+        self.synchronize_parameters: Optional[Callable[[], None]] = None
         runtime.model = self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -97,24 +100,34 @@ class DistributedModel(nn.Module):
         once the schedule has run and summed them."""
         return self._parallel.ties.held() if isinstance(self._parallel, PipelineParallel) else set()
 
+    def wait_for_parameters(self) -> None:
+        """Wait for parameter updates still in flight (ZeRO-1 overlaps them with the next forward)."""
+        if self.synchronize_parameters is not None:
+            self.synchronize_parameters()
+
     # Names as the user's module has them (no "module." prefix from the wrapper).
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        self.wait_for_parameters()
         return self.get_module().named_parameters(prefix, recurse, remove_duplicate)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        self.wait_for_parameters()
         return self.get_module().parameters(recurse)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's state dict (sharded tensors are DTensors; under pipeline parallelism only this rank's
         stages, still named as in the unsplit model); see `full_state_dict` for the whole model."""
+        self.wait_for_parameters()
         return self.get_module().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        self.wait_for_parameters()
         return self.get_module().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer as a whole tensor on every rank, named as in the user's module."""
+        self.wait_for_parameters()
         state = get_model_state_dict(self.get_module(), options=StateDictOptions(full_state_dict=True))
         if isinstance(self._parallel, PipelineParallel):  # add the other stages' parts
             return self._parallel.gather_stages(state)

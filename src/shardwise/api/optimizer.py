@@ -8,6 +8,7 @@ import torch
 
 from ..parallel.master_weights import MasterWeights
 from ..parallel.optimizer_state import OptimizerStateSharding
+from ..parallel.parameter_broadcasts import ParameterBroadcasts
 from ..runtime.state import current
 
 MASTERS_KEY = "fp32_master_params"  # in `state_dict()` under ZeRO-1 in bf16/fp16: this rank's masters, in order
@@ -20,7 +21,9 @@ class DistributedOptimizer:
     parameters (see parallel/optimizer_state.py); `zero_grad` still clears every
     parameter's gradient. In bf16/fp16 that share is fp32 master copies of the
     half-precision parameters (parallel/master_weights.py), and `state_dict`
-    carries them too.
+    carries them too. `step` leaves the broadcasts of the updated parameters in
+    flight for the next forward to wait on (parallel/parameter_broadcasts.py);
+    `synchronize` waits for them all.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
@@ -34,10 +37,15 @@ class DistributedOptimizer:
         self._model = runtime.model
         self._sharding: Optional[OptimizerStateSharding] = None
         self._masters: Optional[MasterWeights] = None
+        self._broadcasts: Optional[ParameterBroadcasts] = None
         self.grad_norm: Optional[torch.Tensor] = None  # before clipping, from the last step that clipped
         config, replicas = runtime.config, runtime.mesh["rdp"]
         if config.effective_zero_stage == 1 and (replicas.size() > 1 or config.sharded_master_weights):
             self._sharding = OptimizerStateSharding(optimizer, replicas.get_group())
+            if replicas.size() > 1:
+                self._broadcasts = ParameterBroadcasts(self._sharding.owner_of, replicas.get_group(),
+                                                       self._model.module)
+                self._model.synchronize_parameters = self.synchronize
         if config.sharded_master_weights:
             self._masters = self._master_weights(optimizer)
         self.optimizer = optimizer
@@ -56,23 +64,38 @@ class DistributedOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         """Unscale (fp16), clip (`gradient_clipping`, keeping the global norm in `grad_norm` for logs), step;
-        an fp16 overflow on any rank skips it on all."""
-        if self._masters is not None:
-            return self._step_masters(closure)
+        an fp16 overflow on any rank skips it on all. Under ZeRO-1 each owner then starts broadcasting what it
+        updated, and returns without waiting."""
+        self.synchronize()
+        result = self._step_masters(closure) if self._masters is not None else self._step_replicas(closure)
+        self._start_broadcasts()
+        return result
+
+    def synchronize(self) -> None:
+        """Wait until every replica holds the parameters the last step updated (ZeRO-1). Forward waits for
+        those each module uses; the next step, both state dicts and loads, and the model's `parameters()`,
+        `named_parameters()` and state dicts wait for all. Call it before reading parameters any other way,
+        e.g. through `model.get_module()` or a tensor kept from before the step."""
+        if self._broadcasts is not None:
+            self._broadcasts.wait_all()
+
+    def _start_broadcasts(self) -> None:
+        if self._broadcasts is not None:
+            self._broadcasts.start()
+
+    def _step_replicas(self, closure: Any) -> Any:
+        """DDP, and ZeRO-1 in fp32: every replica holds the same gradients of its fp32 parameters."""
         scaler = self._model.loss_scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         clip = self._runtime.config.gradient_clipping
         if clip is not None:
             self.grad_norm = self._model.clip_grad_norm_(clip)
-        result = self._step_wrapped(closure)
-        if self._sharding is not None:
-            self._sharding.broadcast_parameters()
-        return result
+        return self._step_wrapped(closure)
 
     def _step_masters(self, closure: Any) -> Any:
         """ZeRO-1 in bf16/fp16: the owners' fp32 masters, whose gradients backward has reduced into them, are
-        unscaled, clipped and stepped, then rounded back into the parameters everywhere."""
+        unscaled, clipped and stepped, then rounded back into this rank's parameters."""
         masters = self._masters
         masters.drop_absent_gradients()
         masters.adopt_changed_parameters()
@@ -104,14 +127,17 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state (this rank's share under ZeRO-1), with the fp32 masters in bf16/fp16."""
+        self.synchronize()
         state = self.optimizer.state_dict()
         if self._masters is not None:
             state[MASTERS_KEY] = self._masters.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.synchronize()
         state = dict(state_dict)
         masters = state.pop(MASTERS_KEY, None)
         self.optimizer.load_state_dict(state)
         if masters is not None and self._masters is not None:
             self._masters.load_state_dict(masters)
+            self._start_broadcasts()

@@ -113,11 +113,10 @@ class MasterWeights:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Round the stepped masters into the half-precision parameters and send them to the other replicas."""
+        """Round the stepped masters into the half-precision parameters (the caller then broadcasts them)."""
         for param, master in self.masters.items():
             local_tensor(param).copy_(master)
             master.grad = None
-        self.sharding.broadcast_parameters()
         self._versions = self._current_versions()
 
     def state_dict(self) -> list[torch.Tensor]:

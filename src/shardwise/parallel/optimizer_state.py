@@ -5,7 +5,8 @@ the least-loaded rank (shares.py), so every rank's share is about 1/n of the
 bytes. The user's own optimizer object keeps only its share in `param_groups` (so Adam's
 two fp32 moments exist for 1/n of the model; in bf16/fp16 so do the fp32 master
 copies, see master_weights.py); after each step every owner broadcasts its
-updated parameters to the other replicas.
+updated parameters to the other replicas, overlapping the next forward
+(parameter_broadcasts.py).
 
 Written here rather than taken from `torch.distributed.optim.ZeroRedundancyOptimizer`
 because that one rebuilds the optimizer from its class and arguments and cannot
@@ -28,7 +29,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class OptimizerStateSharding:
-    """Keeps `optimizer` to this rank's share of its parameters and re-syncs the others after a step."""
+    """Keeps `optimizer` to this rank's share of its parameters; `owner_of` says who steps each one."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup):
         if optimizer.state:
@@ -41,13 +42,3 @@ class OptimizerStateSharding:
         me = dist.get_rank()
         for param_group in optimizer.param_groups:
             param_group["params"] = [p for p in param_group["params"] if self.owner_of[p] == me]
-
-    @torch.no_grad()
-    def broadcast_parameters(self) -> None:
-        """Every replica receives each parameter from the rank that stepped it."""
-        if dist.get_world_size(self.group) == 1:
-            return
-        works = [dist.broadcast(local_tensor(p), src=owner, group=self.group, async_op=True)
-                 for p, owner in self.owner_of.items()]
-        for work in works:
-            work.wait()

@@ -1,14 +1,14 @@
-"""ZeRO-1's rules on tensor sizes alone: which rank owns each parameter, and how gradients are bucketed.
+"""ZeRO-1's rules on tensor sizes alone: which rank owns each parameter, how gradients and parameters are bucketed.
 
 Pure Python, so the planner follows the runtime by calling the same rules
-(optimizer_state.py and gradient_buckets.py apply them to real parameters).
+(optimizer_state.py, gradient_buckets.py and parameter_broadcasts.py apply them to real parameters).
 """
 
 from __future__ import annotations
 
 import heapq
 
-BUCKET_BYTES = 25 * 2 ** 20  # fp32 gradients per reduce to an owner, as DDP's default bucket_cap_mb
+BUCKET_BYTES = 25 * 2 ** 20  # fp32 gradients per reduce, stored parameters per broadcast bucket (DDP's bucket_cap_mb)
 IN_FLIGHT = 2  # reduces pending at once: one on the link while the next is queued behind it
 
 
@@ -37,3 +37,17 @@ def fill_buckets(sizes: list[float], owners: list[int], bucket_bytes: float) -> 
             held[owner] = 0.0
     filled += open_.items()
     return sorted(filled, key=lambda bucket: bucket[1][-1])
+
+
+def consecutive_buckets(nbytes: list[float], bucket_bytes: float) -> list[list[int]]:
+    """Indices of each bucket of consecutive tensors of `nbytes` bytes: a bucket closes once it holds
+    `bucket_bytes` (so a larger tensor is a bucket of its own)."""
+    buckets: list[list[int]] = [[]]
+    held = 0.0
+    for index, size in enumerate(nbytes):
+        buckets[-1].append(index)
+        held += size
+        if held >= bucket_bytes:
+            buckets.append([])
+            held = 0.0
+    return [bucket for bucket in buckets if bucket]

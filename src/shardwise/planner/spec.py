@@ -95,9 +95,10 @@ class ModelSpec:
         return sum(self.stage_tensors(pp))
 
     def stage_tensors(self, pp: int) -> tuple[int, ...]:
-        """Parameter tensors of the largest pipeline stage, as `stage_parameters` counts them."""
+        """Parameter tensors of the largest pipeline stage, as `stage_parameters` counts them, in the order
+        its forward uses them."""
         blocks = self.layer_tensors * self.stage_layers(pp)
         if pp == 1:
             return self.embedding_tensors + blocks + self.head_tensors
         last = self.head_tensors + ((self.vocab * self.hidden,) if self.tied_head else ())
-        return blocks + max(self.embedding_tensors, last, key=sum)
+        return self.embedding_tensors + blocks if sum(self.embedding_tensors) >= sum(last) else blocks + last

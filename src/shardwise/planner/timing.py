@@ -6,9 +6,11 @@ gathers and gradient reduction run per block while compute proceeds, so each
 phase lasts max(compute, comm) plus the share overlap cannot hide plus one
 block's worth that cannot overlap at all (the first gather, the last reduce).
 ZeRO-1's gradient reduces to the owners in bf16/fp16 overlap every backward (under
-a pipeline the last one), as DDP's all-reduce overlaps the last. Tensor-parallel
-all-reduces sit on the critical path; so do ZeRO-1's parameter broadcasts after the
-optimizer step, pipeline fill/drain sends and the update itself.
+a pipeline the last one), as DDP's all-reduce overlaps the last, and its parameter
+broadcasts after the step overlap the next forward, all but the first bucket (not
+where FSDP2's `replicate` copies every parameter before forward). Tensor-parallel
+all-reduces sit on the critical path; so do pipeline fill/drain sends and the update
+itself.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .hardware import ClusterSpec
 from .memory import in_flight_microbatches
 from .spec import ModelSpec
-from .wrapping import FP32_BYTES, REDUCE_BYTES, compute_bytes, optimizer_share, reduce_buckets, stored_bytes
+from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, first_broadcast_bucket, optimizer_share,
+                       reduce_buckets, replicated_by_fsdp, stored_bytes)
 
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
-         "after_step": "after the optimizer step", "critical": "critical path"}
+         "next_forward": "overlaps next forward", "after_step": "after the optimizer step",
+         "critical": "critical path"}
 
 
 @dataclass(frozen=True)
@@ -63,29 +67,35 @@ class StepTime:
         return {f.name: getattr(self, f.name) for f in fields(self)[:8]}
 
 
-def _phase(window: float, comm: LinkTime, units: int) -> float:
-    """Duration of a compute phase of `window` seconds that overlaps `comm`, issued in `units` pieces."""
+def _phase(window: float, comm: LinkTime, units: int, head: float | None = None) -> float:
+    """Duration of a compute phase of `window` seconds that overlaps `comm`, issued in `units` pieces, the first
+    (or last) of which nothing hides: `head` seconds when known, else a `units`-th of the traffic."""
     c = comm.busiest
     if c == 0:
         return window
-    return max(window, c) + (1 - A.OVERLAP_EFFICIENCY) * min(window, c) + c / units
+    return max(window, c) + (1 - A.OVERLAP_EFFICIENCY) * min(window, c) + (c / units if head is None else head)
 
 
 class _Traffic:
     """Collects a step's collectives by when they run: per microbatch (forward, backward), once with the last
-    backward (sync), after the optimizer step, or on the critical path."""
+    backward (sync), once during the next step's first forward (next_forward, whose first bucket,
+    `first_bucket` seconds, waits exposed), after the optimizer step, or on the critical path."""
 
     def __init__(self, cluster: ClusterSpec, layout: Layout, microbatches: int, blocks: int):
         self.cluster, self.layout, self.microbatches, self.blocks = cluster, layout, microbatches, blocks
-        self.forward = self.backward = self.sync = self.after_step = LinkTime()
+        self.forward = self.backward = self.sync = self.next_forward = self.after_step = LinkTime()
+        self.first_bucket = 0.0
         self.records: list[Collective] = []
+
+    def time(self, kind: str, nbytes: float, axes: tuple[str, ...], calls: int) -> LinkTime:
+        shape = group_shape(self.layout, self.cluster.devices_per_node, axes)
+        return collective_time(kind, nbytes, shape, self.cluster, calls)
 
     def add(self, when: str, kind: str, nbytes: float, axes: tuple[str, ...], label: str, calls: int = 0) -> LinkTime:
         """Add `nbytes` of `kind` on the groups along `axes`, in `calls` collectives
         (default: per block when sharded per block, else per DDP-sized bucket)."""
         calls = calls or (self.blocks if "dp_shard" in axes and len(axes) == 1 else -(-int(nbytes) // A.BUCKET_BYTES))
-        shape = group_shape(self.layout, self.cluster.devices_per_node, axes)
-        t = collective_time(kind, nbytes, shape, self.cluster, calls)
+        t = self.time(kind, nbytes, axes, calls)
         if t.serial == 0:
             return t
         if when != "critical":
@@ -103,7 +113,9 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     As `wrapping.py` describes the runtime: DDP all-reduces fp32 gradients (fp32 ZeRO-1 too);
     ZeRO-1 in bf16/fp16 reduces them in fp32 to their owners instead, bucket by bucket during
     every microbatch's backward (the last one's under a pipeline schedule); ZeRO-1 then broadcasts
-    the parameters each rank updated, one tensor at a time, in their stored dtype. FSDP2 gathers
+    the parameters each rank updated, one tensor at a time, in their stored dtype, during the next
+    forward — each module waits for the bucket holding its parameters, so the first bucket is
+    exposed — except under FSDP2's `replicate`, which copies them all before forward. FSDP2 gathers
     the compute copies every forward (ZeRO-3 again in backward) and reduce-scatters fp32 gradients.
     """
     stage = config.effective_zero_stage
@@ -116,8 +128,7 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
         else:
             traffic.add("sync", "all_reduce", grads, _DP_AXES, "gradient")
         if stage == 1:
-            traffic.add("after_step", "broadcast", stored_bytes(config) * rank_params, _DP_AXES, "parameter",
-                        len(spec.stage_tensors(layout.pp)))
+            _parameter_broadcasts(traffic, config, layout, spec, rank_params)
         return
     gathered = compute_bytes(config) * rank_params
     traffic.add("forward", "all_gather", gathered, ("dp_shard",), "parameter")
@@ -125,6 +136,19 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
         traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter")
     traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), "gradient")
     traffic.add("sync", "all_reduce", grads / layout.dp_shard, ("dp_replicate",), "gradient shard")
+
+
+def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, spec: ModelSpec,
+                          rank_params: float) -> None:
+    """ZeRO-1's broadcasts of the updated parameters: overlapping the next forward, which waits for the first
+    bucket (parallel/parameter_broadcasts.py); exposed where FSDP2's `replicate` copies them all first."""
+    nbytes, tensors = stored_bytes(config) * rank_params, len(spec.stage_tensors(layout.pp))
+    if replicated_by_fsdp(config, layout):
+        traffic.add("after_step", "broadcast", nbytes, _DP_AXES, "parameter", tensors)
+        return
+    traffic.add("next_forward", "broadcast", nbytes, _DP_AXES, "parameter", tensors)
+    first_bytes, first_tensors = first_broadcast_bucket(spec, config, layout)
+    traffic.first_bucket = traffic.time("broadcast", first_bytes, _DP_AXES, first_tensors).serial
 
 
 def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float) -> float:
@@ -179,9 +203,11 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     fwd_phase = _phase(forward, traffic.forward, layers)
     t_mb = fwd_phase + _phase(2 * forward + recompute, traffic.backward, layers) + tp_time
     t_last = fwd_phase + _phase(2 * forward + recompute, traffic.backward + traffic.sync, layers) + tp_time
+    # ZeRO-1's broadcasts stretch the first forward (nothing else overlaps it then: ZeRO-1 gathers nothing)
+    t_first = _phase(forward, traffic.next_forward, layers, traffic.first_bucket) - forward
     slots = max(m + pp - 1, m * pp / in_flight_microbatches(config, layout)) if pp > 1 else m
     time = StepTime(compute=3 * forward * m, recompute=recompute * m, tensor_parallel=tp_time * m,
-                    data_parallel=m * (t_mb - busy) + (t_last - t_mb) + traffic.after_step.serial,
+                    data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial,
                     pipeline_bubble=(slots - m) * t_mb, pipeline_p2p=_pipeline_p2p(traffic, cluster, activation),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
                     offload=_offload_seconds(config, cluster, checkpointing, layers, activation, m * busy))

@@ -31,7 +31,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from ..config.schema import ShardwiseConfig
-from ..parallel.shares import BUCKET_BYTES, IN_FLIGHT, assign_owners, fill_buckets
+from ..parallel.shares import BUCKET_BYTES, IN_FLIGHT, assign_owners, consecutive_buckets, fill_buckets
 from ..topology import Layout
 from . import assumptions as A
 from .activations import Numerics
@@ -127,6 +127,14 @@ def _buckets(sizes: tuple[float, ...], ranks: int) -> Buckets:
 def reduce_buckets(spec: ModelSpec, layout: Layout) -> Buckets:
     """ZeRO-1's buckets on the busiest stage, tensors divided by `tp`."""
     return _buckets(tuple(t / layout.tp for t in spec.stage_tensors(layout.pp)), layout.dp)
+
+
+def first_broadcast_bucket(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> tuple[float, int]:
+    """Bytes and tensors of ZeRO-1's first parameter broadcast bucket on the busiest stage: what the next
+    forward waits for before its first module runs."""
+    nbytes = [t / layout.tp * stored_bytes(config) for t in spec.stage_tensors(layout.pp)]
+    first = consecutive_buckets(nbytes, BUCKET_BYTES)[0]
+    return sum(nbytes[i] for i in first), len(first)
 
 
 def gradient_fraction(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:

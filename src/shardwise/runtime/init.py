@@ -66,8 +66,16 @@ def init(config: ConfigLike = None) -> ShardwiseConfig:
     return resolved
 
 
-def shutdown() -> None:
-    """Forget the runtime and destroy the process group (also one a test harness made)."""
+def shutdown(wait: bool = True) -> None:
+    """Forget the runtime and destroy the process group (also one a test harness made).
+
+    With `wait`, parameter updates still in flight (ZeRO-1 overlaps them with the
+    next forward) finish first: a process group must not be destroyed under pending
+    collectives. A rank leaving after an error passes False, so that it never waits
+    for peers that may not send.
+    """
+    if wait and state.is_initialized() and state.current().model is not None:
+        state.current().model.wait_for_parameters()
     state.set_current(None)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -31,6 +31,7 @@ def in_call() -> bool:
 def main(conn, parent_pid: int) -> None:
     """Serve calls from the parent until it closes the pipe or dies; never returns."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills us
+    faulthandler.enable(all_threads=True)  # a crash in C++ leaves its Python stacks in the call's log
     if hasattr(signal, "SIGUSR1"):  # the parent asks for stacks before killing a hung call
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
@@ -94,7 +95,7 @@ def _call(meta: dict, payload: bytes, returned: Callable[[], None]) -> tuple:
         # A rank that succeeded keeps its group until every rank is done with it; a failed
         # rank leaves at once, so that peers blocked on it fail fast instead of hanging.
         _barrier(store, "done", rank, world, wait=reply[0] == "ok")
-        _cleanup()
+        _cleanup(wait=reply[0] == "ok")
     except BaseException as e:
         if reply[0] == "ok":
             reply = error_reply(e, "while cleaning up after the call: ")
@@ -132,11 +133,12 @@ def _barrier(store, name: str, rank: int, world: int, wait: bool = True) -> None
         store.wait([f"{name}/{r}" for r in range(world)])
 
 
-def _cleanup() -> None:
-    """Forget the runtime, the process group and every cache that holds its meshes."""
+def _cleanup(wait: bool) -> None:
+    """Forget the runtime, the process group and every cache that holds its meshes; `wait` for the
+    collectives still in flight unless the call failed (its peers may never send theirs)."""
     from shardwise.runtime.init import shutdown
 
-    shutdown()
+    shutdown(wait)
 
 
 @contextlib.contextmanager
