@@ -28,6 +28,8 @@ ZERO3 = {**SP, "sharded_data_parallel_degree": 2}
 # config, blocks checkpointed
 CASES = {
     "tp2": (SP, False),
+    "tp2-zero1": ({**SP, "shard_optimizer_state": True}, False),
+    "tp2-clipping": ({**SP, "gradient_clipping": 0.5}, False),
     "tp2-prescaled-checkpointing": ({**SP, "prescaled_batch": True}, True),
     "tp2-zero3-checkpointing-microbatches": ({**ZERO3, "microbatches": 2}, True),
     "tp2-zero3-prescaled": ({**ZERO3, "prescaled_batch": True}, False),

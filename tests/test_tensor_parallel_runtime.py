@@ -43,7 +43,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-3)).item()
 
 
-def train_kind(kind: str, prescaled: bool, optimizer: str, checkpoint: bool) -> dict:
+def train_kind(kind: str, prescaled: bool, optimizer: str, checkpoint: bool, clip: float | None = None) -> dict:
     torch.manual_seed(0)
     reference = MODELS[kind](256)
     model = sw.DistributedModel(copy.deepcopy(reference), tensor_parallel_plan=USER_PLANS.get(kind))
@@ -64,6 +64,8 @@ def train_kind(kind: str, prescaled: bool, optimizer: str, checkpoint: bool) -> 
         inputs = _inputs(kind, sw.size() * ROWS, step, 256)
         ref_loss = _loss(kind, reference(**{k: v for k, v in inputs.items() if k != "labels"}), inputs)
         ref_loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         ref_opt.step()
         ref_opt.zero_grad()
         loss = torch.as_tensor(train_step(model, _my_rows(inputs, prescaled)).reduce_mean()).detach().clone()
@@ -81,7 +83,8 @@ def train_kind(kind: str, prescaled: bool, optimizer: str, checkpoint: bool) -> 
 
 def train_all(config: dict, kinds=KINDS, optimizer: str = "sgd", checkpoint: bool = False) -> list[dict]:
     sw.init(config)
-    return [train_kind(kind, config.get("prescaled_batch", False), optimizer, checkpoint) for kind in kinds]
+    return [train_kind(kind, config.get("prescaled_batch", False), optimizer, checkpoint,
+                       config.get("gradient_clipping")) for kind in kinds]
 
 
 def _check(results: list[dict], per_tensor: bool = True) -> None:
@@ -99,6 +102,10 @@ CASES = {
     "tp2-ddp": {"tensor_parallel_degree": 2},
     "tp2-ddp-prescaled": {"tensor_parallel_degree": 2, "prescaled_batch": True},
     "tp2-zero1": {"tensor_parallel_degree": 2, "shard_optimizer_state": True},
+    # The gradient norm is ~1.7 (GPT-2) at first: 0.5 clips every step; packed Q/K/V is a _StridedShard.
+    "tp2-ddp-clipping": {"tensor_parallel_degree": 2, "gradient_clipping": 0.5},
+    "tp2-zero1-clipping": {"tensor_parallel_degree": 2, "shard_optimizer_state": True, "gradient_clipping": 0.5},
+    "tp2-zero3-clipping": {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "gradient_clipping": 0.5},
     "tp2-zero3": {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2},
     "tp2-zero3-prescaled": {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "prescaled_batch": True},
 }

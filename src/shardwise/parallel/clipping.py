@@ -3,7 +3,10 @@
 Gradients may be plain tensors (DDP, ZeRO-1: identical on every rank) or
 DTensors (FSDP and TP shards). Local squared norms are summed per
 (mesh, placements) group, then all-reduced over just the mesh axes the group
-is sharded on — one small collective per axis, not one per parameter.
+is sharded on — one small collective per axis, not one per parameter. Every
+placement but Replicate shards (`Shard`, and the `_StridedShard` of packed
+Q/K/V, which is no `Shard`); a pending sum (`Partial`) is reduced first, since
+squares of partial values do not add up to the square of their sum.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _without_partial(grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+    return grad
 
 
 def _local_square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -28,7 +37,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], device: torch.device,
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
-            g = p.grad
+            g = _without_partial(p.grad)
             groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
@@ -36,7 +45,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], device: torch.device,
         if key is not None:
             mesh, placements = key
             for axis, placement in enumerate(placements):
-                if isinstance(placement, Shard):
+                if not placement.is_replicate():
                     dist.all_reduce(squares, group=mesh.get_group(axis))
         total = total + squares.to(device)
     if across is not None:

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from .clipping import clip_grad_norm_
 from .gradient_buckets import GradientBuckets
@@ -41,7 +41,8 @@ from .optimizer_state import OptimizerStateSharding, local_tensor
 
 
 def _split_tensor_parallel(param: torch.Tensor) -> bool:
-    return isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)
+    """Split by tensor parallelism (`Shard`, or the `_StridedShard` of packed Q/K/V, which is no `Shard`)."""
+    return isinstance(param, DTensor) and any(not p.is_replicate() for p in param.placements)
 
 
 class MasterWeights:
