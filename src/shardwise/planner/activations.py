@@ -4,9 +4,11 @@ The count follows Korthikanti et al. ("Reducing Activation Recomputation in Larg
 Transformer Models", 2022) but per saved tensor, so it also holds for fp32, for
 HF's Python activations (GELU-tanh saves five ffn-sized tensors), for the
 attention kernel in use and for the dtypes the runtime computes in (`Numerics`).
-Tensor parallelism (Megatron, no sequence parallelism) shards everything between
-the column- and row-parallel linears; norms, their inputs and residual dropout
-masks stay replicated.
+Tensor parallelism (Megatron) shards everything between the column- and
+row-parallel linears; norms, their inputs and residual dropout masks stay
+replicated unless sequence parallelism shards them over the sequence. The inputs
+the column-parallel linears keep for their weight gradients stay whole either
+way: torch keeps the input they gathered (Megatron re-gathers it in backward).
 """
 
 from __future__ import annotations
@@ -74,13 +76,20 @@ def _attention_bytes(spec: ModelSpec, seq: int, dtype_bytes: int, mask_bytes: in
 
 @dataclass(frozen=True)
 class BlockActivations:
-    """Bytes per token one transformer block keeps, split by how tensor parallelism treats them."""
+    """Bytes per token one transformer block keeps, split by how tensor parallelism treats them.
+
+    `replicated`: whole on every rank (the norms' outputs, which the column-parallel linears keep);
+    `sequence`: whole under plain tensor parallelism, 1/tp of the sequence with sequence parallelism
+    (the residual stream as each norm's input, the norms' statistics, residual dropout masks);
+    `sharded`: split over heads and MLP units.
+    """
 
     replicated: float
+    sequence: float
     sharded: float
 
-    def per_rank(self, tp: int) -> float:
-        return self.replicated + self.sharded / tp
+    def per_rank(self, tp: int, sequence_parallel: bool = False) -> float:
+        return self.replicated + self.sequence / (tp if sequence_parallel else 1) + self.sharded / tp
 
 
 def block_activations(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kernels = Kernels()) -> BlockActivations:
@@ -89,13 +98,14 @@ def block_activations(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Ke
     mask = kernels.dropout_mask_bytes or low
     h = spec.hidden
     # Two norms: input (the residual stream) and output each (RMSNorm in HF also keeps its
-    # normalised fp32 product), plus their per-token statistics (mean and rstd, or rstd only).
-    norm_tensors, norm_stats = (3, 1) if spec.norm == "rmsnorm" else (2, 2)
-    replicated = 2 * (h * numerics.residual_bytes + (norm_tensors - 1) * h * low + norm_stats * _FP32)
+    # normalised product), plus their per-token statistics (mean and rstd, or rstd only).
+    products, norm_stats = (1, 1) if spec.norm == "rmsnorm" else (0, 2)
+    outputs = 2 * h * low
+    sequence = 2 * (h * numerics.residual_bytes + products * h * low + norm_stats * _FP32)
     if spec.hidden_dropout > 0:
-        replicated += 2 * h * mask                       # after attention and after the MLP
+        sequence += 2 * h * mask                         # after attention and after the MLP
     sharded = _attention_bytes(spec, seq, low, mask, kernels) + _mlp_tensors(spec) * spec.ffn * low
-    return BlockActivations(replicated, sharded)
+    return BlockActivations(outputs, sequence, sharded)
 
 
 def edge_activations(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels()) -> tuple[float, float]:
@@ -124,25 +134,26 @@ class ActivationMemory:
 
 def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: Numerics, tp: int, pp: int,
                      in_flight: int, checkpointing: str, offload: bool = False, loading_horizon: int = 4,
-                     kernels: Kernels = Kernels()) -> ActivationMemory:
+                     kernels: Kernels = Kernels(), sequence_parallel: bool = False) -> ActivationMemory:
     """Peak activation bytes on the busiest pipeline stage.
 
     Stage 0 keeps `in_flight` microbatches (1F1B, capped by active_microbatches); the
-    last stage keeps one. Checkpointing keeps each group's input and recomputes one
-    group of one microbatch at a time; offload moves the kept inputs to the host
-    except the `loading_horizon` groups prefetched for backward. Autocast's weight
-    copies count once (only pipelines overlap microbatches, and they do not
-    autocast), for the blocks only while their group is recomputed.
+    last stage keeps one. Checkpointing keeps each group's input (with sequence
+    parallelism this rank's slice of it) and recomputes one group of one microbatch
+    at a time; offload moves the kept inputs to the host except the
+    `loading_horizon` groups prefetched for backward. Autocast's weight copies count
+    once (only pipelines overlap microbatches, and they do not autocast), for the
+    blocks only while their group is recomputed.
     """
     tokens = micro_batch * seq
-    block = block_activations(spec, seq, numerics, kernels).per_rank(tp) * tokens
+    block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel) * tokens
     layers = spec.stage_layers(pp)
     group = CHECKPOINTING[checkpointing]
     stored, host, once = float(layers * block), 0.0, 0.0
     copied_layers = layers
     if group:
         groups = math.ceil(layers / group)
-        group_input = spec.hidden * numerics.residual_bytes * tokens
+        group_input = spec.hidden * numerics.residual_bytes * tokens / (tp if sequence_parallel else 1)
         copied_layers = min(group, layers)
         stored, once = groups * group_input, copied_layers * block   # recompute: one group at a time
         if offload:

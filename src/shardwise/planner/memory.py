@@ -93,7 +93,8 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     acts = rank_activations(spec, seq=seq, micro_batch=micro_batch, numerics=numerics(config, layout),
                             tp=layout.tp, pp=layout.pp, in_flight=in_flight_microbatches(config, layout),
                             checkpointing=checkpointing, offload=config.offload_activations,
-                            loading_horizon=config.activation_loading_horizon, kernels=kernels)
+                            loading_horizon=config.activation_loading_horizon, kernels=kernels,
+                            sequence_parallel=config.sequence_parallel)
     buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq)
     accounted = sum(states.values()) + gathered + acts.device + buffers
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device, comm_buffers=buffers,

@@ -11,7 +11,6 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ..topology import Layout
 from .errors import PlanError
 from .hardware import GiB
 from .search import Evaluation, Plan
@@ -29,6 +28,11 @@ def strategy(e: Evaluation) -> str:
     if stage >= 2 and layout.dp_replicate > 1:
         return f"MiCS ZeRO-{stage}/{layout.dp_shard}"
     return f"ZeRO-{stage}"
+
+
+def _tensor_parallel(e: Evaluation) -> str:
+    """The tensor-parallel degree, `sp` added with sequence parallelism."""
+    return f"{e.layout.tp}" + (" sp" if e.config.get("sequence_parallel") else "")
 
 
 def _microbatching(e: Evaluation) -> str:
@@ -55,7 +59,7 @@ def ranked_table(plan: Plan, top: int) -> Table:
     for i, e in enumerate(plan.fitting[:top], 1):
         memory = e.memory.summary()
         mark = " †" if e.pending else ""
-        table.add_row(f"{i}{mark}", str(e.layout.tp), str(e.layout.pp), f"{e.layout.dp_replicate}×{e.layout.dp_shard}",
+        table.add_row(f"{i}{mark}", _tensor_parallel(e), str(e.layout.pp), f"{e.layout.dp_replicate}×{e.layout.dp_shard}",
                       strategy(e), e.checkpointing, _microbatching(e),
                       *(f"{memory[k] / GiB:.1f}" for k in _MEMORY_COLUMNS),
                       f"{e.step_time:.3f}", f"{e.time.tokens_per_s:,.0f}", f"{e.time.mfu:.0%}")
@@ -83,8 +87,9 @@ def _collectives_table(e: Evaluation) -> Table:
     return table
 
 
-def _degrees(layout: Layout) -> str:
-    return " ".join(f"{k}={v}" for k, v in layout.degrees().items())
+def _degrees(e: Evaluation) -> str:
+    text = " ".join(f"{k}={v}" for k, v in e.layout.degrees().items())
+    return text + (" sequence_parallel" if e.config.get("sequence_parallel") else "")
 
 
 def print_plan(plan: Plan, top: int, explain: bool, console: Optional[Console] = None) -> None:
@@ -105,7 +110,7 @@ def print_plan(plan: Plan, top: int, explain: bool, console: Optional[Console] =
     rejected = [e for e in plan.considered if not e.fits]
     console.print(f"rejected layouts ({len(rejected)}):")
     for e in rejected:
-        console.print(f"  {_degrees(e.layout)} {strategy(e)} ckpt={e.checkpointing}: {e.reason}",
+        console.print(f"  {_degrees(e)} {strategy(e)} ckpt={e.checkpointing}: {e.reason}",
                       markup=False, highlight=False)
 
 

@@ -1,9 +1,10 @@
 """Enumerate configurations for a model on a cluster, predict each, keep the fitting ones ranked.
 
 A *layout considered* is one choice of degrees (tp, pp, MiCS group), ZeRO stage and
-checkpointing strategy. For each, the microbatch count, active microbatches and
-activation offload are chosen here: the fastest variant that fits, else the one
-needing the least memory (whose overflow `--explain` reports). Every candidate is
+checkpointing strategy. For each, the microbatch count, active microbatches,
+activation offload and sequence parallelism are chosen here: the fastest variant
+that fits, else the one needing the least memory (whose overflow `--explain`
+reports). Every candidate is
 a plain dict of config keys checked by the same `parse_config` and `layout_for`
 that `shardwise run` uses, so a plan is a config `run` accepts as is.
 """
@@ -11,6 +12,7 @@ that `shardwise run` uses, so a plan is a config `run` accepts as is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Iterator, Mapping, NamedTuple, Optional, Union
 
 from ..config import ConfigError, Problem, ShardwiseConfig, parse_config, unavailable_features
@@ -75,11 +77,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, group: int = 1,
-                microbatches: int = 1, active: Optional[int] = None, offload: bool = False) -> dict:
+                microbatches: int = 1, active: Optional[int] = None, offload: bool = False,
+                sequence_parallel: bool = False) -> dict:
     """The config keys for one candidate, leaving defaults out so the plan reads like a hand-written config."""
     d: dict = {}
     if tp > 1:
         d.update(tensor_parallel_degree=tp, prescaled_batch=True)
+    if sequence_parallel:
+        d["sequence_parallel"] = True
     if pp > 1:
         d.update(pipeline_parallel_degree=pp, active_microbatches=active or min(pp, microbatches))
     if microbatches > 1:
@@ -95,9 +100,11 @@ def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, gro
     return d
 
 
-def _model_problems(spec: ModelSpec, tp: int, pp: int, dp: int, global_batch: int) -> list[Problem]:
-    """Rules that need the model or the batch, beyond what config validation knows."""
+def _model_problems(spec: ModelSpec, layout: Layout, global_batch: int, seq: int,
+                    sequence_parallel: bool = False) -> list[Problem]:
+    """Rules that need the model, the batch or the sequence, beyond what config validation knows."""
     problems = []
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
     if spec.heads % tp or spec.kv_heads % tp:
         problems.append(Problem("tensor_parallel_degree", tp, f"must divide the model's {spec.heads} attention "
                                 f"heads ({spec.kv_heads} key/value heads)", "use a smaller power of two"))
@@ -107,6 +114,10 @@ def _model_problems(spec: ModelSpec, tp: int, pp: int, dp: int, global_batch: in
     if global_batch % dp:
         problems.append(Problem("global batch", global_batch, f"is not divisible by the data-parallel degree {dp}",
                                 "choose a global batch that is a multiple of it"))
+    if sequence_parallel and seq % tp:   # the runtime's rule (parallel/tensor/sequence.py), checked at the first block
+        problems.append(Problem("sequence_parallel", True, f"the sequence length {seq} does not divide by "
+                                f"tensor_parallel_degree {tp}", f"pad or cut the inputs to a multiple of {tp} "
+                                "positions, or set sequence_parallel to false"))
     return problems
 
 
@@ -118,6 +129,7 @@ class _Choice(NamedTuple):
     stage: int
     group: int           # ZeRO-2/3 partition-group size (MiCS when below the data-parallel degree)
     checkpointing: str
+    sequence: tuple[bool, ...] = (False,)   # sequence_parallel settings to try
 
     def requested_layout(self, world: int) -> Layout:
         dp = world // (self.tp * self.pp)
@@ -156,27 +168,28 @@ def evaluate(spec: ModelSpec, cluster: ClusterSpec, config: Union[Mapping, Shard
     config = config if isinstance(config, ShardwiseConfig) else parse_config(config)
     d = config.model_dump(exclude_defaults=True)
     layout = layout_for(config, cluster.topology)
-    problems = _model_problems(spec, layout.tp, layout.pp, layout.dp, global_batch)
+    seq = seq or spec.seq_len
+    problems = _model_problems(spec, layout, global_batch, seq, config.sequence_parallel)
     batch = global_batch // layout.dp
     if not problems and batch % config.microbatches:
         problems.append(Problem("microbatches", config.microbatches,
                                 f"must divide the batch of {batch} per replica", "use a divisor of it"))
     if problems:
         return _rejected(d, layout, config.effective_zero_stage, problems, checkpointing, batch)
-    return _predict(spec, cluster, config, d, layout, checkpointing, batch, seq or spec.seq_len)
+    return _predict(spec, cluster, config, d, layout, checkpointing, batch, seq)
 
 
 def _variants(choice: _Choice, precision: str, batch: int) -> Iterator[dict]:
-    """Microbatching and offload for one choice: microbatch counts dividing the replica's batch,
-    1F1B's natural pp (or all) in flight, offload only with checkpointing, pipelining and m > 1."""
-    tp, pp, stage, group, checkpointing = choice
+    """Microbatching, offload and sequence parallelism for one choice: microbatch counts dividing the
+    replica's batch, 1F1B's natural pp (or all) in flight, offload only with checkpointing, pipelining
+    and m > 1, sequence parallelism where `_considered` found it allowed."""
+    tp, pp, stage, group, checkpointing, sequence = choice
     for m in (m for m in _powers_of_two(batch) if batch % m == 0):
         actives = sorted({min(pp, m), m}) if pp > 1 else [None]
         offloads = [False, True] if pp > 1 and checkpointing != "none" and m > 1 else [False]
-        for active in actives:
-            for offload in offloads:
-                yield config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
-                                  active=active, offload=offload)
+        for active, offload, sp in product(actives, offloads, sequence):
+            yield config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
+                              active=active, offload=offload, sequence_parallel=sp)
 
 
 def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch: int, seq: int,
@@ -208,26 +221,43 @@ def _sharding_choices(dp: int) -> list[tuple[int, int]]:
     return [(0, 1), (1, 1)] + [(stage, group) for group in _divisors(dp)[1:] for stage in (2, 3)]
 
 
+def _degree_problems(spec: ModelSpec, cluster: ClusterSpec, d: dict, layout: Layout, global_batch: int,
+                     seq: int) -> list[Problem]:
+    """Why config `d` cannot run with its degrees: the validation `shardwise run` applies, then the model's rules."""
+    problems = _model_problems(spec, layout, global_batch, seq, d.get("sequence_parallel", False))
+    try:
+        layout_for(parse_config(d), cluster.topology)
+    except ConfigError as err:
+        problems = err.problems + problems
+    return problems
+
+
 def _considered(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: int,
                 precision: str) -> Iterator[Evaluation]:
-    """One evaluation per (tp, pp) the rules reject, else per sharding and checkpointing choice."""
+    """One evaluation per (tp, pp) the rules reject, else per sharding and checkpointing choice. With tp > 1
+    every choice also tries sequence parallelism, unless the rules reject it: then one evaluation says why."""
     world = cluster.world_size
     for tp in _powers_of_two(min(world, 2 * cluster.devices_per_node)):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
+            layout = Layout(pp=pp, dp_replicate=dp, tp=tp)
             base = config_dict(precision, tp=tp, pp=pp)
-            problems = _model_problems(spec, tp, pp, dp, global_batch)
-            try:
-                layout_for(parse_config(base), cluster.topology)
-            except ConfigError as err:
-                problems = err.problems + problems
+            problems = _degree_problems(spec, cluster, base, layout, global_batch, seq)
             if problems:
-                yield _rejected(base, Layout(pp=pp, dp_replicate=dp, tp=tp), 0, problems, "none", global_batch // dp)
+                yield _rejected(base, layout, 0, problems, "none", global_batch // dp)
                 continue
+            sequence = (False,)
+            if tp > 1:
+                with_sp = config_dict(precision, tp=tp, pp=pp, sequence_parallel=True)
+                problems = _degree_problems(spec, cluster, with_sp, layout, global_batch, seq)
+                if problems:
+                    yield _rejected(with_sp, layout, 0, problems, "none", global_batch // dp)
+                else:
+                    sequence = (False, True)
             for stage, group in _sharding_choices(dp):
                 for checkpointing, blocks in CHECKPOINTING.items():
                     if blocks <= spec.stage_layers(pp):
-                        yield _best_variant(spec, cluster, _Choice(tp, pp, stage, group, checkpointing),
+                        yield _best_variant(spec, cluster, _Choice(tp, pp, stage, group, checkpointing, sequence),
                                             global_batch // dp, seq, precision)
 
 

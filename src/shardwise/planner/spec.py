@@ -58,6 +58,12 @@ class ModelSpec:
         return sum(self.head_tensors)
 
     @property
+    def block_norm_tensors(self) -> int:
+        """Hidden-sized norm weights per block: two norms, each a scale (and a LayerNorm's bias). Sequence
+        parallelism sums each one's gradient over the tensor-parallel group."""
+        return 2 * (1 if self.norm == "rmsnorm" else 2)
+
+    @property
     def head_matmul_parameters(self) -> int:
         """Weights the head multiplies per token (a tied embedding counts here). A classifier
         that reads one token per sample costs nothing per token."""

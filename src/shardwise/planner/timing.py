@@ -9,7 +9,7 @@ ZeRO-1's gradient reduces to the owners in bf16/fp16 overlap every backward (und
 a pipeline the last one), as DDP's all-reduce overlaps the last, and its parameter
 broadcasts after the step overlap the next forward, all but the first bucket (not
 where FSDP2's `replicate` copies every parameter before forward). Tensor-parallel
-all-reduces sit on the critical path; so do pipeline fill/drain sends and the update
+collectives sit on the critical path; so do pipeline fill/drain sends and the update
 itself.
 """
 
@@ -151,6 +151,27 @@ def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: La
     traffic.first_bucket = traffic.time("broadcast", first_bytes, _DP_AXES, first_tensors).serial
 
 
+def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: ShardwiseConfig, layers: int,
+                             activation: float, recompute: bool) -> float:
+    """Seconds per microbatch of the tensor-parallel collectives, all on the critical path.
+
+    Megatron: per block two all-reduces of the activations forward and two backward (two more on
+    recompute). Sequence parallelism (parallel/tensor/sequence.py) splits each into a reduce-scatter
+    and an all-gather of the same volume, all-gathers the blocks' output in forward and their input's
+    gradient in backward (where the sequence shards begin and end, outside the recomputed blocks),
+    and sums each norm weight's gradient over the group in backward.
+    """
+    calls = layers * (4 + (2 if recompute else 0))
+    if not config.sequence_parallel:
+        return traffic.add("critical", "all_reduce", calls * activation, ("tp",), "activation", calls).serial
+    scattered = traffic.add("critical", "reduce_scatter", calls * activation, ("tp",), "activation", calls)
+    gathered = traffic.add("critical", "all_gather", (calls + 2) * activation, ("tp",), "activation", calls + 2)
+    norms = layers * spec.block_norm_tensors
+    summed = traffic.add("critical", "all_reduce", norms * spec.hidden * compute_bytes(config), ("tp",),
+                         "norm gradient", norms)
+    return (scattered + gathered + summed).serial
+
+
 def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float) -> float:
     """Exposed pipeline sends: on fill and drain, pp - 1 hops forward and back wait for the link."""
     layout = traffic.layout
@@ -195,8 +216,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     recompute = blocks_fwd if CHECKPOINTING[checkpointing] else 0.0
     activation = tokens * spec.hidden * compute_bytes(config)
     traffic = _Traffic(cluster, layout, m, layers)
-    tp_calls = layers * (4 + (2 if recompute else 0))   # Megatron: 2 all-reduces forward, 2 backward
-    tp_time = traffic.add("critical", "all_reduce", tp_calls * activation, ("tp",), "activation", tp_calls).serial
+    tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0)
     _data_parallel_traffic(traffic, config, layout, spec)
 
     busy = 3 * forward + recompute + tp_time
