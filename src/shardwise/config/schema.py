@@ -60,6 +60,9 @@ class ShardwiseConfig(BaseModel):
     fp16: bool = Field(False, description="float16 compute with dynamic loss scaling, fp32 master weights and "
                        "gradient reduction.")
     gradient_clipping: Optional[float] = Field(None, gt=0, description="Global gradient-norm clip applied by optimizer.step().")
+    replica_check_interval: Optional[int] = Field(
+        None, ge=1, description="Every N optimizer steps, compare a fingerprint of every replicated parameter across "
+        "the ranks that should hold equal copies, and stop with an error naming the first that differs. Unset: off.")
     auto_wrap_min_params: int = Field(
         10_000_000,
         ge=1,
