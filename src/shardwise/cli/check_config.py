@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from ..config import load_config
-from ..topology import Cluster, layout_for
+from ..config import ineffective_notice, load_dict
+from ..topology import Cluster
 from ..topology.describe import describe_layout
+from ..topology.layout import validate
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -16,8 +18,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check-config", help="validate a config for a cluster shape and print its layout",
-                       description="Validate a config for a cluster shape without starting anything; print the "
-                                   "layout (degrees and the ranks of each group) or every error. Exit 2 on error.")
+                       description="Validate a config for a cluster shape without starting anything, as `run` and "
+                                   "`init` do; print the layout (degrees and the ranks of each group) or every "
+                                   "error, and name the settings that have no effect in it. Exit 2 on error.")
     p.add_argument("config", nargs="?", help="JSON or YAML config file (omit for the defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (repeatable)")
@@ -26,8 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)
+    """The validation `run` and `init` make; the layout on stdout, the no-effect notice `init` warns with on stderr."""
     cluster = Cluster(nodes=args.nnodes, devices_per_node=args.nproc_per_node)
-    layout = layout_for(config, cluster)
+    config, layout = validate(load_dict(args.config, args.overrides), cluster)
     print(describe_layout(config, layout, cluster))
+    notice = ineffective_notice(config)
+    if notice:
+        print(f"shardwise check-config: warning: {notice}", file=sys.stderr)
     return 0

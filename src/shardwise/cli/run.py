@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..config import load_config
+from ..config import load_dict
 
 
 def add_launch_flags(p: argparse.ArgumentParser, default_nproc: str = "accelerators on this node, else 1") -> None:
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def launch_from_args(args: argparse.Namespace, script: str, script_args: Sequence[str],
                      overrides: Sequence[str]) -> int:
-    """Resolve flags, validate the config for the cluster shape, launch; LaunchError → exit 2."""
+    """Resolve flags, then launch (which validates the config for the cluster shape); LaunchError → exit 2."""
     from ..launcher import LaunchError, launch, resolve
 
     try:
@@ -58,11 +58,11 @@ def launch_from_args(args: argparse.Namespace, script: str, script_args: Sequenc
     except LaunchError as err:
         print(f"shardwise {args.command}: {err}", file=sys.stderr)
         return 2
-    config = load_config(args.config, overrides)
+    data = load_dict(args.config, overrides)
     # TailLog echoes rank 0 through our stdout; keep it live when stdout is a pipe.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
-    return launch(spec, config)
+    return launch(spec, data)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -87,3 +87,14 @@ def load_dict(source: ConfigSource = None, overrides: Iterable[str] = ()) -> dic
         key, value = parse_override(item)
         data[key] = value
     return data
+
+
+def merge_sources(given: Mapping[str, Any], launched: Mapping[str, Any],
+                  where: str) -> tuple[dict[str, Any], list[Problem]]:
+    """`init`'s own config over the launcher's (file `where`): keys either one sets are taken from it,
+    equal values agree, and a key set to different values is a problem, never a silent winner."""
+    conflicts = [Problem(key, value, f"init() passes {value!r} but the launcher's config ({where}) sets "
+                         f"{launched[key]!r}", "give the key one value: drop it from init() or from the "
+                         "`shardwise run` config, or make them equal")
+                 for key, value in given.items() if key in launched and launched[key] != value]
+    return {**launched, **given}, conflicts

@@ -1,7 +1,8 @@
 """Turn a plain dict into a `ShardwiseConfig`, collecting every problem first.
 
-The same function serves `init`, `check-config`, `plan` and `run`, so they can
-never disagree about what is valid.
+These are the rules that need no cluster. `init`, `check-config` and `run` all
+call `topology.layout.validate`, which adds the features this release lacks and
+the layout on the cluster to these, so they can never disagree about what is valid.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
     yield from pipeline_problems(c)
 
 
-def parse_config(data: Mapping[str, Any]) -> ShardwiseConfig:
-    """Validate a dict of SMP keys; raise one ConfigError with every problem."""
+def config_problems(data: Mapping[str, Any]) -> tuple[ShardwiseConfig, list[Problem]]:
+    """The config of the well-typed keys and every unknown-key, field and rule problem, so callers
+    that add more rules (the layout on a cluster) can report everything in one pass."""
     known = field_names()
     problems = []
     for key in data:
@@ -89,19 +91,23 @@ def parse_config(data: Mapping[str, Any]) -> ShardwiseConfig:
         # Check the remaining rules on the well-typed keys, so one pass reports everything.
         config = ShardwiseConfig(**{k: v for k, v in clean.items() if k not in broken})
     problems.extend(_rule_problems(config))
+    return config, problems
+
+
+def parse_config(data: Mapping[str, Any]) -> ShardwiseConfig:
+    """Validate a dict of SMP keys without a cluster (the planner's candidates); raise one ConfigError."""
+    config, problems = config_problems(data)
     if problems:
         raise ConfigError(problems)
     return config
 
 
 def load_config(source: ConfigSource = None, overrides: Iterable[str] = ()) -> ShardwiseConfig:
-    """Read, merge and validate: the one entry point for every config source."""
+    """Read, merge and validate without a cluster."""
     return parse_config(load_dict(source, overrides))
 
 
-def refuse_unavailable(config: ShardwiseConfig) -> None:
-    """Raise for settings whose feature this release cannot run yet, rather than silently ignoring them."""
-    pending = unavailable_features(config)
-    if pending:
-        raise ConfigError([Problem(key, value, "this feature is not available yet in this shardwise release",
-                                   "remove the key (or set it to its default) for now") for key, value in pending])
+def unavailable_problems(config: ShardwiseConfig) -> list[Problem]:
+    """Settings whose feature this release cannot run yet: refused rather than silently ignored."""
+    return [Problem(key, value, "this feature is not available yet in this shardwise release",
+                    "remove the key (or set it to its default) for now") for key, value in unavailable_features(config)]

@@ -1,7 +1,7 @@
 """The run directory: one place per launch for the config, the launch record and per-rank logs.
 
     runs/<YYYYmmdd-HHMMSS>-<script stem>/
-        config.json              validated config every rank loads (SHARDWISE_CONFIG)
+        config.json              validated config every rank loads (SHARDWISE_CONFIG), the keys given only
         launch-node<K>.json      how node K launched: command, shape, rendezvous
         logs/rank<R>/stdout.log  rank R's stdout (global rank, so nodes sharing a disk never collide)
         logs/rank<R>/stderr.log  rank R's stderr
@@ -78,7 +78,9 @@ class RunDir:
         os.replace(tmp, path)
 
     def write_config(self, config) -> Path:
-        self.write_json(self.config, config.model_dump(mode="json"))
+        """Only the keys the user set: `init` merges them with its own config, and a default written
+        here must not look like a choice that conflicts with one made there."""
+        self.write_json(self.config, config.model_dump(mode="json", exclude_unset=True))
         return self.config
 
     def write_launch(self, node_rank: int, record: dict) -> Path:

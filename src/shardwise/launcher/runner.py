@@ -10,10 +10,9 @@ import signal
 import socket
 import sys
 import time
-from typing import Iterator, Optional, TextIO
+from typing import Any, Iterator, Mapping, Optional, TextIO
 
-from ..config import ShardwiseConfig, refuse_unavailable
-from ..topology import layout_for
+from ..topology.layout import validate
 from ..topology.describe import describe_layout
 from .failure import format_failure, rank_failures
 from .rundir import CONFIG_ENV, RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
@@ -95,23 +94,16 @@ def _launch_record(spec: LaunchSpec, layout) -> dict:
     }
 
 
-def check_runnable(config: ShardwiseConfig, spec: LaunchSpec):
-    """The checks `shardwise.init()` makes on every rank, made once before starting any:
-    the layout must fit the cluster shape and every feature the config asks for must exist."""
-    layout = layout_for(config, spec.cluster)
-    refuse_unavailable(config)
-    return layout
-
-
-def launch(spec: LaunchSpec, config: ShardwiseConfig, *, out: Optional[TextIO] = None,
+def launch(spec: LaunchSpec, data: Mapping[str, Any], *, out: Optional[TextIO] = None,
            err: Optional[TextIO] = None) -> int:
     """Run `spec.script` on this node's ranks; return the exit code the CLI should exit with.
 
-    Raises ConfigError (before anything starts) when `config` does not fit the cluster shape.
+    `data` is a dict of config keys, checked by the validation `shardwise.init()` makes on
+    every rank: a ConfigError with every problem, the cluster shape's included, before anything starts.
     """
     out = out or sys.stdout
     err = err or sys.stderr
-    layout = check_runnable(config, spec)
+    config, layout = validate(data, spec.cluster)
     run_dir = RunDir(spec.run_dir or default_run_dir(spec.script)).create()
     run_dir.write_config(config)
     record = _launch_record(spec, layout)

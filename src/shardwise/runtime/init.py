@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Mapping, Union
 
 import torch
 import torch.distributed as dist
 
-from ..config import ShardwiseConfig, load_config, refuse_unavailable
-from ..topology import Cluster, layout_for
+from ..config import IneffectiveSettingsWarning, Problem, ShardwiseConfig, ineffective_notice, load_dict, merge_sources
+from ..topology import Cluster
+from ..topology.layout import validate
 from . import state
 from .agreement import check_same_config
 from .devices import backend_for, local_device
@@ -21,12 +23,34 @@ CONFIG_ENV = "SHARDWISE_CONFIG"
 ConfigLike = Union[None, str, os.PathLike, Mapping[str, Any], ShardwiseConfig]
 
 
-def _resolve_config(config: ConfigLike) -> ShardwiseConfig:
-    if isinstance(config, ShardwiseConfig):
-        return config
-    if config is None:
-        config = os.environ.get(CONFIG_ENV)
-    return load_config(config)
+def _config_data(config: ConfigLike) -> tuple[dict[str, Any], list[Problem]]:
+    """init's own config merged with the one `shardwise run` wrote (which fills the keys init's leaves
+    unset), and a problem for every key the two set differently."""
+    given = config.model_dump(exclude_unset=True) if isinstance(config, ShardwiseConfig) else load_dict(config)
+    launched = os.environ.get(CONFIG_ENV)
+    if launched is None:
+        return given, []
+    return merge_sources(given, load_dict(launched), launched)
+
+
+def _torchrun_world() -> bool:
+    """True when torchrun's variables name a world to join; False for one process on its own."""
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    if "MASTER_ADDR" not in os.environ and os.environ["WORLD_SIZE"] != "1":
+        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but MASTER_ADDR is not, so this process "
+                           "cannot join the other ranks; fix: start the ranks with `shardwise run` or torchrun, "
+                           "or unset WORLD_SIZE to run one process")
+    return "MASTER_ADDR" in os.environ
+
+
+def _cluster() -> Cluster:
+    """The world this process is about to join: a process group its caller made, torchrun's, or one process."""
+    if not dist.is_initialized():
+        return Cluster.from_env() if _torchrun_world() else Cluster()
+    world = dist.get_world_size()
+    cluster = Cluster.from_env()
+    return cluster if cluster.world_size == world else Cluster(1, world)  # a caller's group: nodes unknown
 
 
 def _start_process_group(device: torch.device) -> bool:
@@ -34,32 +58,39 @@ def _start_process_group(device: torch.device) -> bool:
     if dist.is_initialized():
         return False
     backend = backend_for(device)
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    if _torchrun_world():
         dist.init_process_group(backend, device_id=device if device.type != "cpu" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 
-def init(config: ConfigLike = None) -> ShardwiseConfig:
-    """Validate the config, join the process group and build the named mesh.
+def _warn_ineffective(config: ShardwiseConfig) -> None:
+    """Rank 0 names the settings that change nothing in this layout (once, not once per rank)."""
+    notice = ineffective_notice(config)
+    if notice and dist.get_rank() == 0:
+        warnings.warn(notice, IneffectiveSettingsWarning, stacklevel=3)
 
-    With no argument, takes the config `shardwise run --config` was given, else the
-    defaults (pure data parallelism). Works in one process with no launcher.
+
+def init(config: ConfigLike = None) -> ShardwiseConfig:
+    """Validate the config for this world, join the process group and build the named mesh.
+
+    With no argument, takes the config `shardwise run` was given, else the defaults (pure
+    data parallelism). A config given here under `shardwise run` is merged with the
+    launcher's: keys only one sets come from it, and a key they set differently is an error.
+    Every problem, the layout's included, is raised before the process group starts.
+    Works in one process with no launcher.
     """
     if state.is_initialized():
         raise RuntimeError("shardwise.init() was already called in this process; call shardwise.shutdown() first")
-    resolved = _resolve_config(config)
-    refuse_unavailable(resolved)
+    data, conflicts = _config_data(config)
+    cluster = _cluster()
+    resolved, layout = validate(data, cluster, conflicts)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = local_device(local_rank)
     owns = _start_process_group(device)
     check_same_config(resolved, device)
-    world = dist.get_world_size()
-    cluster = Cluster.from_env() if "WORLD_SIZE" in os.environ else Cluster(1, world)
-    if cluster.world_size != world:
-        cluster = Cluster(1, world)
-    layout = layout_for(resolved, cluster)
+    _warn_ineffective(resolved)
     mesh = ParallelMesh(device, layout)
     state.set_current(state.Runtime(config=resolved, cluster=cluster, layout=layout, mesh=mesh, device=device,
                                     rank=dist.get_rank(), local_rank=local_rank, owns_process_group=owns))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
+from typing import Any, Iterable, Mapping, Optional
 
 from ..config.errors import ConfigError, Problem
 from ..config.schema import ShardwiseConfig
+from ..config.validate import config_problems, unavailable_problems
 from .cluster import Cluster
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -76,8 +78,13 @@ def _power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def layout_for(config: ShardwiseConfig, cluster: Cluster) -> Layout:
-    """The layout `config` gives on `cluster`, or a ConfigError listing every rule it breaks."""
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def layout_problems(config: ShardwiseConfig, cluster: Cluster) -> tuple[Optional[Layout], list[Problem]]:
+    """The layout `config` gives on `cluster` (None when the degrees do not divide the world), and every
+    rule it breaks there."""
     problems: list[Problem] = []
     tp, pp, world = config.tensor_parallel_degree, config.pipeline_parallel_degree, cluster.world_size
     if tp > cluster.devices_per_node:
@@ -92,19 +99,36 @@ def layout_for(config: ShardwiseConfig, cluster: Cluster) -> Layout:
         problems.append(Problem("pipeline_parallel_degree × tensor_parallel_degree", tp * pp,
                                 f"must divide the world size {world}",
                                 "choose degrees whose product divides the number of processes"))
-        raise ConfigError(problems)
+        return None, problems
     dp = world // (tp * pp)
-    stage = config.effective_zero_stage
-    shard = config.sharded_data_parallel_degree if config.sharded_data_parallel_degree > 1 else dp
-    if stage < 2:
-        shard = 1
-    if config.sharded_data_parallel_degree > 1 and dp % config.sharded_data_parallel_degree:
-        problems.append(Problem("sharded_data_parallel_degree", config.sharded_data_parallel_degree,
+    group = config.sharded_data_parallel_degree
+    if group > 1 and dp % group:
+        problems.append(Problem("sharded_data_parallel_degree", group,
                                 f"must divide the data-parallel degree {dp} (= world {world} / (tp {tp} × pp {pp}))",
-                                f"use a divisor of {dp}: {', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}"))
+                                f"use a divisor of {dp}: {_divisors(dp)}"))
     if not config.ddp and dp > 1:
         problems.append(Problem("ddp", False, f"gradients must be synchronised across the {dp} data-parallel ranks",
                                 "set ddp to true, or make tp × pp equal the world size"))
+    shard = 1 if config.effective_zero_stage < 2 else group if group > 1 else dp
+    return Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp), problems
+
+
+def layout_for(config: ShardwiseConfig, cluster: Cluster) -> Layout:
+    """The layout `config` gives on `cluster`, or a ConfigError listing every rule it breaks."""
+    layout, problems = layout_problems(config, cluster)
     if problems:
         raise ConfigError(problems)
-    return Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp)
+    return layout
+
+
+def validate(data: Mapping[str, Any], cluster: Cluster, found: Iterable[Problem] = ()) -> tuple[ShardwiseConfig, Layout]:
+    """The one validation `init`, `check-config` and `run` share: unknown keys, field types, rules, features this
+    release lacks and the layout on `cluster`, raised as one ConfigError together with the problems the
+    caller `found` in the sources. The layout is computed from the well-typed keys."""
+    config, problems = config_problems(data)
+    problems = [*found, *problems, *unavailable_problems(config)]
+    layout, more = layout_problems(config, cluster)
+    problems += more
+    if problems:
+        raise ConfigError(problems)
+    return config, layout
