@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from .flags import positive
 from .run import add_launch_flags, launch_from_args
 
 DEFAULT_NPROC = 4
@@ -21,10 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "--config replaces the default sharded_data_parallel_degree=2; --set adds to it.")
     add_launch_flags(p, default_nproc=str(DEFAULT_NPROC))
     demo = p.add_argument_group("training")
-    demo.add_argument("--steps", type=int, default=None, metavar="N", help="optimizer steps (default 40)")
-    demo.add_argument("--batch-size", type=int, default=None, metavar="B",
+    demo.add_argument("--steps", type=positive(int), default=None, metavar="N", help="optimizer steps (default 40)")
+    demo.add_argument("--batch-size", type=positive(int), default=None, metavar="B",
                       help="sequences per data-parallel rank per step (default 8)")
-    demo.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 3e-3)")
+    demo.add_argument("--lr", type=positive(float), default=None, help="AdamW learning rate (default 3e-3)")
     p.set_defaults(handler=run)
 
 

@@ -10,6 +10,7 @@ from ..planner import (CLUSTER_PRESETS, MODEL_PRESETS, Plan, PlanError, cluster_
                        print_plan, resolve_model, to_json, write_config)
 from ..planner.hardware import GB, GiB
 from ..planner.report import config_format
+from .flags import positive
 
 # Cluster flags: (flag, ClusterSpec/override field, unit multiplier, type, help, required without --cluster).
 _CLUSTER_FLAGS = [
@@ -24,15 +25,6 @@ _CLUSTER_FLAGS = [
 ]
 
 
-def _positive(kind: type):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-        return value
-    return parse
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="rank the configurations that fit a model on a cluster",
                        description="Predict per-rank memory and step time of every layout (pp × dp_replicate × "
@@ -43,18 +35,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(gpt2, llama, bert, vit), a config.json path, or module:function")
     p.add_argument("--cluster", metavar="[N x]PRESET",
                    help=f"e.g. 16xp4d.24xlarge; presets: {', '.join(CLUSTER_PRESETS)}")
-    p.add_argument("--global-batch", type=_positive(int), metavar="B",
+    p.add_argument("--global-batch", type=positive(int), metavar="B",
                    help="sequences per step (default: one per device)")
-    p.add_argument("--seq", type=_positive(int), metavar="S", help="tokens per sequence (default: the model's)")
+    p.add_argument("--seq", type=positive(int), metavar="S", help="tokens per sequence (default: the model's)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                    help="default: the device's fastest (bf16 on A100/H100, fp16 on T4, fp32 on CPU)")
-    p.add_argument("--top", type=_positive(int), default=10, metavar="K", help="rows of the table (default 10)")
+    p.add_argument("--top", type=positive(int), default=10, metavar="K", help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print every layout considered as JSON instead of the table")
     p.add_argument("--explain", action="store_true", help="also show step-time parts, collectives and every rejection")
     p.add_argument("--out", metavar="FILE", help="write the best config to FILE (.json, .yaml or .yml)")
     flags = p.add_argument_group("cluster values (override the preset, or describe a cluster without one)")
     for flag, dest, _, kind, text, _ in _CLUSTER_FLAGS:
-        flags.add_argument(flag, dest=dest, type=_positive(kind), help=text)
+        flags.add_argument(flag, dest=dest, type=positive(kind), help=text)
     p.set_defaults(handler=run)
 
 
