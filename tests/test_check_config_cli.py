@@ -81,6 +81,18 @@ def test_errors_go_to_stderr_with_exit_2(capsys, argv, message):
     assert message in err
 
 
+def test_field_and_layout_errors_are_reported_together(capsys):
+    code, out, err = _check(capsys, "--nproc-per-node", "4", "--set", "microbatches=0",
+                            "--set", "sharded_data_parallel_degree=3")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        "shardwise check-config: invalid shardwise config:",
+        "  microbatches=0: input should be greater than or equal to 1; fix: use 1 or more",
+        "  sharded_data_parallel_degree=3: must divide the data-parallel degree 4 (= world 4 / (tp 1 × pp 1)); "
+        "fix: use a divisor of 4: 1, 2, 4",
+    ]
+
+
 def test_malformed_file_exits_2_with_its_line(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("microbatches: 2\nbf16: [true\n")
@@ -103,3 +115,8 @@ def test_console_script_exit_codes():
     bad = _console("check-config", "--nproc-per-node", "2", "--set", "bf16=true", "--set", "fp16=true")
     assert bad.returncode == 2
     assert "fp16=True: bf16 and fp16 cannot both be on" in bad.stderr
+    pending = _console("check-config", "--nproc-per-node", "4", "--set", "offload_activations=true")
+    assert (pending.returncode, pending.stdout) == (2, "")
+    assert pending.stderr == ("shardwise check-config: invalid shardwise config: offload_activations=True: this "
+                              "feature is not available yet in this shardwise release; fix: remove the key (or set "
+                              "it to its default) for now\n")

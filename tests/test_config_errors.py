@@ -13,8 +13,10 @@ import pytest
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.cli import main
 from shardwise.config import ConfigError, ShardwiseConfig, load_config, parse_config, unavailable_features
 from shardwise.topology import Cluster, layout_for
+from shardwise.topology.layout import validate
 
 
 def _message(fn, *args) -> str:
@@ -89,8 +91,25 @@ def test_rule_violation_message(case):
         message = _message(parse_config, config)
     else:
         message = _message(layout_for, parse_config(config), Cluster(*cluster))
+        assert expected in _message(validate, config, Cluster(*cluster))  # what init, check-config and run call
     assert message.startswith("invalid shardwise config: ")
     assert expected in message
+
+
+def test_field_rule_unavailable_and_layout_problems_are_reported_together():
+    """A broken field does not hide the layout: it is computed from the well-typed keys (here tp = 1)."""
+    message = _message(validate, {"tensor_parallel_degree": "x", "microbatches": 0, "bf16": True, "fp16": True,
+                                  "offload_activations": True, "sharded_data_parallel_degree": 3}, Cluster(1, 4))
+    assert message.splitlines() == [
+        "invalid shardwise config:",
+        "  tensor_parallel_degree='x': input should be a valid integer; fix: use a whole number",
+        "  microbatches=0: input should be greater than or equal to 1; fix: use 1 or more",
+        "  fp16=True: bf16 and fp16 cannot both be on; fix: set only one of them",
+        "  offload_activations=True: this feature is not available yet in this shardwise release; "
+        "fix: remove the key (or set it to its default) for now",
+        "  sharded_data_parallel_degree=3: must divide the data-parallel degree 4 (= world 4 / (tp 1 × pp 1)); "
+        "fix: use a divisor of 4: 1, 2, 4",
+    ]
 
 
 def test_every_problem_is_reported_at_once():
@@ -156,3 +175,18 @@ def test_unavailable_feature_is_refused_at_init_before_anything_starts(key, valu
             sw.shutdown()
     assert f"{key}={value!r}: this feature is not available yet" in message
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("key, value", _pending_keys())
+def test_check_config_and_run_refuse_what_init_refuses(key, value, tmp_path, capsys):
+    """One validation, so check-config never accepts a config that run or init then refuses."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not start')\n")
+    expected = f"{key}={value!r}: this feature is not available yet in this shardwise release; fix: remove the key"
+    for command in (["check-config"], ["run", "--run-dir", str(tmp_path / "run")]):
+        argv = [*command, "--nproc-per-node", "4", "--set", f"{key}={str(value).lower()}"]
+        code = main(argv + ([str(script)] if command[0] == "run" else []))
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, ""), argv
+        assert err.startswith(f"shardwise {command[0]}: invalid shardwise config: {expected}")
+    assert not (tmp_path / "run").exists()

@@ -37,6 +37,25 @@ def test_demo_rejects_a_config_that_does_not_fit_before_starting(tmp_path, capsy
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: '0' is not a whole number above 0; fix: pass a whole number above 0"),
+    (["--steps", "-1"], "argument --steps: '-1' is not a whole number above 0; fix: pass a whole number above 0"),
+    (["--batch-size", "0"], "argument --batch-size: '0' is not a whole number above 0; fix: pass a whole number above 0"),
+    (["--lr", "-1"], "argument --lr: '-1' is not a number above 0; fix: pass a number above 0"),
+    (["--lr", "nan"], "argument --lr: 'nan' is not a number above 0; fix: pass a number above 0"),
+])
+def test_demo_rejects_bad_training_flags_before_starting(tmp_path, capsys, monkeypatch, argv, message):
+    """argparse's exit 2 and one error line naming the flag, before any rank or run directory exists."""
+    from shardwise.cli import demo
+
+    monkeypatch.setattr(demo, "launch_from_args", lambda *a: pytest.fail("demo launched"))
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *argv, "--run-dir", str(tmp_path / "demo")])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"shardwise demo: error: {message}"
+    assert not (tmp_path / "demo").exists()
+
+
 @pytest.mark.slow
 def test_demo_default_run_learns_the_rule(tmp_path, capsys):
     assert main(["demo", "--run-dir", str(tmp_path / "demo")]) == 0

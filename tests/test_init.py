@@ -1,5 +1,6 @@
-"""`sw.init`: one process with no launcher, the config `shardwise run` hands over, and ranks that
-disagree on the config failing fast on every rank instead of hanging.
+"""`sw.init`: one process with no launcher, the config `shardwise run` hands over (merged with one given
+to init, conflicts refused), and ranks that disagree on the config failing fast on every rank instead of
+hanging.
 
 (The whole `shardwise run --set ...` → `sw.init()` path runs in test_seed_script.py.)
 """
@@ -61,6 +62,55 @@ def test_no_argument_takes_the_config_shardwise_run_wrote(no_launcher, tmp_path,
     path = RunDir(tmp_path).create().write_config(given)
     monkeypatch.setenv(CONFIG_ENV, str(path))
     assert sw.init() == given
+
+
+@pytest.fixture
+def launched(no_launcher, tmp_path, monkeypatch):
+    """`shardwise run --set ...`: the keys given, written as the launcher writes them, named in the environment."""
+    def write(given: dict) -> str:
+        path = RunDir(tmp_path).create().write_config(parse_config(given))
+        monkeypatch.setenv(CONFIG_ENV, str(path))
+        return str(path)
+    return write
+
+
+def test_init_config_and_launcher_config_merge(launched):
+    """Keys only one source sets come from it; a key both set to the same value is fine."""
+    launched({"microbatches": 2, "gradient_clipping": 1.0})
+    config = sw.init({"microbatches": 2, "bf16": True})
+    assert config == parse_config({"microbatches": 2, "gradient_clipping": 1.0, "bf16": True})
+
+
+def test_defaults_the_launcher_did_not_get_do_not_conflict(launched, tmp_path):
+    """The launcher writes only the keys it was given, so init's own values for the others stand."""
+    launched({"bf16": True})
+    assert (tmp_path / "config.json").read_text() == '{\n  "bf16": true\n}\n'
+    assert sw.init(parse_config({"microbatches": 2})) == parse_config({"bf16": True, "microbatches": 2})
+
+
+def test_keys_set_differently_are_all_named_with_both_sources(launched):
+    """No silent winner: every conflict, with both values and the launcher's file, in one error with the rest."""
+    path = launched({"gradient_clipping": 1.0, "microbatches": 2, "bf16": True})
+    with pytest.raises(ConfigError) as info:
+        sw.init({"gradient_clipping": 0.5, "microbatches": 4, "bf16": True, "bogus": 1})
+    fix = "fix: give the key one value: drop it from init() or from the `shardwise run` config, or make them equal"
+    assert str(info.value).splitlines() == [
+        "invalid shardwise config:",
+        f"  gradient_clipping=0.5: init() passes 0.5 but the launcher's config ({path}) sets 1.0; {fix}",
+        f"  microbatches=4: init() passes 4 but the launcher's config ({path}) sets 2; {fix}",
+        "  bogus=1: unknown key; fix: remove it; valid keys are listed in the README's config reference",
+    ]
+    assert not torch.distributed.is_initialized()
+
+
+def test_world_size_without_a_rendezvous_address_is_refused(no_launcher, monkeypatch):
+    """Not a world of one in disguise: each process would train alone."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match=r"^WORLD_SIZE=4 is set but MASTER_ADDR is not, so this process cannot "
+                                           r"join the other ranks; fix: start the ranks with `shardwise run` or "
+                                           r"torchrun, or unset WORLD_SIZE to run one process$"):
+        sw.init()
+    assert not torch.distributed.is_initialized()
 
 
 def test_second_init_and_use_before_init_are_explained(no_launcher):
