@@ -154,6 +154,21 @@ def test_file_and_overrides_are_validated_together(tmp_path):
         load_config, path, ["microbatches=-1"])
 
 
+def test_sagemaker_distribution_form_drops_nothing_silently():
+    """SageMaker's `distribution` dict gives its parameters; a key beside them or `enabled: false` is an error."""
+    def form(enabled=True, **beside):
+        return {"smdistributed": {"modelparallel": {"enabled": enabled, "parameters": {"microbatches": 2}}},
+                "mpi": {"enabled": True}, **beside}
+    assert load_config(form()).microbatches == 2
+    assert _message(load_config, form(enabled=False, bf16=True)).splitlines() == [
+        "invalid shardwise config:",
+        "  bf16=True: sits beside smdistributed, so the SageMaker form would drop it; "
+        "fix: move it into smdistributed.modelparallel.parameters",
+        "  smdistributed.modelparallel.enabled=False: turns model parallelism off, yet its parameters would apply; "
+        "fix: set it to true, or pass no config for plain data parallelism",
+    ]
+
+
 def _pending_keys() -> list[tuple[str, object]]:
     """Keys whose feature is not built yet, found by turning each key on by itself (the list shrinks as
     features land)."""

@@ -51,12 +51,24 @@ def read_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
 
 
 def unwrap_sagemaker(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Accept a SageMaker `distribution` dict by taking its model-parallel parameters."""
+    """Accept a SageMaker `distribution` dict by taking its model-parallel parameters; refuse what taking
+    them alone would silently drop: keys beside `smdistributed` (its `mpi` section is SageMaker's launcher's)
+    and `enabled: false`."""
     node: Any = data
     for key in _SAGEMAKER_PATH:
         if not isinstance(node, Mapping) or key not in node:
             return dict(data)
         node = node[key]
+    problems = [Problem(key, value, "sits beside smdistributed, so the SageMaker form would drop it",
+                        "move it into smdistributed.modelparallel.parameters")
+                for key, value in data.items() if key not in (_SAGEMAKER_PATH[0], "mpi")]
+    enabled = data[_SAGEMAKER_PATH[0]][_SAGEMAKER_PATH[1]].get("enabled", True)
+    if enabled is not True:
+        problems.append(Problem("smdistributed.modelparallel.enabled", enabled,
+                                "turns model parallelism off, yet its parameters would apply",
+                                "set it to true, or pass no config for plain data parallelism"))
+    if problems:
+        raise ConfigError(problems)
     return dict(node)
 
 
