@@ -51,6 +51,16 @@ def tiny_llama(layers: int = 2, hidden: int = 32, heads: int = 4) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def tiny_bert(layers: int = 2, hidden: int = 32, heads: int = 2) -> nn.Module:
+    """BERT with its masked-LM head, whose decoder is tied to the word embeddings."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=2 * hidden, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(config)
+
+
 class _Residual(nn.Module):
     def __init__(self, hidden: int):
         super().__init__()
@@ -76,8 +86,8 @@ class TinyStack(nn.Module):
         return {"logits": self.head(self.norm(x))}
 
 
-BUILDERS = {"gpt2": tiny_gpt2, "vit": tiny_vit, "llama": tiny_llama, "stack": TinyStack}
-TEXT = ("gpt2", "llama", "stack")  # token models: next-token data and loss
+BUILDERS = {"gpt2": tiny_gpt2, "vit": tiny_vit, "llama": tiny_llama, "bert": tiny_bert, "stack": TinyStack}
+TEXT = ("gpt2", "llama", "bert", "stack")  # token models: token data; next-token loss but BERT's, per token
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
@@ -86,6 +96,8 @@ def blocks(model: nn.Module) -> nn.ModuleList:
         return model.transformer.h
     if hasattr(model, "model"):  # Llama
         return model.model.layers
+    if hasattr(model, "bert"):
+        return model.bert.encoder.layer
     if hasattr(model, "blocks"):  # TinyStack
         return model.blocks
     vit = model.vit
@@ -94,7 +106,7 @@ def blocks(model: nn.Module) -> nn.ModuleList:
 
 def freeze_key_biases(model: nn.Module) -> None:
     for name, param in model.named_parameters():
-        if name.endswith(("attn.c_attn.bias", "attention.k_proj.bias", "attention.key.bias")):
+        if name.endswith(("attn.c_attn.bias", "attention.k_proj.bias", "attention.key.bias", "attention.self.key.bias")):
             param.requires_grad_(False)
 
 
@@ -118,8 +130,10 @@ def dataset(kind: str, rows: int, seed: int = SEED) -> TensorDataset:
 
 
 def loss_fn(kind: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy for GPT-2 and Llama, classification cross-entropy for ViT."""
+    """Next-token cross-entropy for GPT-2, Llama and the stack, per-token for BERT, classification cross-entropy for ViT."""
     logits = model(inputs)["logits"]
+    if kind == "bert":
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     if kind in TEXT:
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
     return F.cross_entropy(logits, targets)

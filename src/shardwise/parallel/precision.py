@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections import defaultdict
 from typing import Any, ContextManager, Optional
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..config.schema import ShardwiseConfig
@@ -75,8 +77,29 @@ def autocast(config: ShardwiseConfig, device: torch.device) -> ContextManager:
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def loss_scaler(config: ShardwiseConfig, device: torch.device) -> Optional[ShardedGradScaler]:
-    """Dynamic loss scaling for fp16; inf/nan found on any rank skips the step on all ranks."""
+class LossScaler(ShardedGradScaler):
+    """FSDP's scaler (inf/nan found on any rank skips the step on all), unscaling each gradient through its
+    local tensor: tensor parallelism mixes DTensor gradients with the plain ones of replicated norms, which
+    one foreach call cannot take, and the overflow flag is all-reduced over every rank anyway."""
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    grads[local.device, local.dtype].append(local)
+        found: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for (device, _), tensors in grads.items():
+                flag = found.setdefault(device, found_inf.to(device, copy=True))
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale.to(device))
+        return found or {self._scale.device: found_inf.to(self._scale.device, copy=True)}
+
+
+def loss_scaler(config: ShardwiseConfig, device: torch.device) -> Optional[LossScaler]:
+    """Dynamic loss scaling for fp16."""
     if not config.fp16:
         return None
-    return ShardedGradScaler(device=device.type, process_group=dist.group.WORLD)
+    return LossScaler(device=device.type, process_group=dist.group.WORLD)

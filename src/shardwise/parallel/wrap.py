@@ -3,10 +3,15 @@
 Transformer blocks are the natural unit: big enough to amortise a collective,
 small enough that one unsharded block fits. Hugging Face models name their
 blocks in `_no_split_modules`; other models fall back to the repeated entries
-of their largest `ModuleList`, then to a size threshold.
+of their largest `ModuleList`, then to a size threshold. FSDP2 manages a parameter
+in one group only, so a unit sharing a weight with a module outside it (BERT's
+embeddings, whose word embeddings the masked-LM head reuses) is no unit: the
+shared weight stays with the root.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 from torch import nn
 
@@ -44,10 +49,20 @@ def _by_size(model: nn.Module, min_params: int) -> list[nn.Module]:
     return units
 
 
+def _self_contained(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """The units whose parameters no module outside them uses too."""
+    users: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        users[id(param)].append(name)
+    path = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    return [unit for unit in units
+            if all(name.startswith(f"{path[id(unit)]}.") for p in unit.parameters() for name in users[id(p)])]
+
+
 def sharding_units(model: nn.Module, min_params: int) -> list[nn.Module]:
     """Submodules to shard individually, innermost first; the root is always a unit too."""
     for finder in (_hf_blocks, _repeated_blocks):
         blocks = finder(model)
         if blocks:
-            return blocks
-    return _by_size(model, min_params)
+            return _self_contained(model, blocks)
+    return _self_contained(model, _by_size(model, min_params))

@@ -69,6 +69,9 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig
         # FSDP2 casts by its own policy, ZeRO-1's half-precision parameters by hooks alike (as without stages)
         if not (isinstance(dp.module, FSDPModule) or config.sharded_master_weights):
             stage.precision = lambda: precision.autocast(config, device)
+        elif precision.compute_dtype(config) is not None:
+            for stand_in in (m for m in stage.module.modules() if isinstance(m, Elsewhere)):
+                stand_in.compute_in(precision.compute_dtype(config))
         stage.install_hooks()
         wrapped.append(dp.module)
     runner = PipelineParallel(model, stages, wrapped, ties, config, pp_mesh.get_group())

@@ -63,6 +63,11 @@ class Elsewhere(nn.Module):
         self.holds = type(module).__name__
         self.free = free
 
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Shape outputs as the held module computes when its stage stores or casts parameters in `dtype`
+        (FSDP2's policy, ZeRO-1's replicas): rotary tables and masks follow the embeddings' dtype."""
+        self._shape_of = (self._shape_of[0].to(dtype),)
+
     def _zeros(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         if self.free:
             return torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
