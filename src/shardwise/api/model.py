@@ -16,6 +16,7 @@ from ..parallel.compose import parallelize
 from ..parallel.pipeline import PipelineParallel
 from ..parallel.tensor import PlanLike
 from ..runtime.state import current
+from .param_mapping import OriginalNames
 
 
 class DistributedModel(nn.Module):
@@ -32,6 +33,8 @@ class DistributedModel(nn.Module):
             raise TypeError(f"DistributedModel expects a torch.nn.Module, got {type(module).__name__}")
         runtime = current("shardwise.DistributedModel")
         self._runtime = runtime
+        # Before parallelizing replaces them: an optimizer built from `module` is mapped by these names.
+        self.original_names = OriginalNames(module)
         self._parallel = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan)
         self.module = self._parallel.module
         # FSDP2 modules cast by their own policy, ZeRO-1's half-precision replicas by hooks alike

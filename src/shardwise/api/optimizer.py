@@ -10,12 +10,17 @@ from ..parallel.master_weights import MasterWeights
 from ..parallel.optimizer_state import OptimizerStateSharding
 from ..parallel.parameter_broadcasts import ParameterBroadcasts
 from ..runtime.state import current
+from .param_mapping import adopt_model_parameters
 
 MASTERS_KEY = "fp32_master_params"  # in `state_dict()` under ZeRO-1 in bf16/fp16: this rank's masters, in order
 
 
 class DistributedOptimizer:
     """Steps the wrapped optimizer the way the configured parallelism needs.
+
+    The optimizer may be built before `DistributedModel`, from the user's module, as
+    SMP scripts do: its param groups get the model's parameters in place of those
+    parallelizing replaced, and lose other pipeline stages' (api/param_mapping.py).
 
     With ZeRO-1 the wrapped optimizer holds only this rank's share of the
     parameters (see parallel/optimizer_state.py); `zero_grad` still clears every
@@ -31,10 +36,13 @@ class DistributedOptimizer:
             raise TypeError(f"DistributedOptimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
         runtime = current("shardwise.DistributedOptimizer")
         if runtime.model is None:
-            raise RuntimeError("create sw.DistributedModel(...) before sw.DistributedOptimizer(...), and build the "
-                               "optimizer from model.parameters()")
+            raise RuntimeError("create sw.DistributedModel(...) before sw.DistributedOptimizer(...)")
         self._runtime = runtime
         self._model = runtime.model
+        # Built before the model, the optimizer holds the user's parameters: swap in the model's, before ZeRO-1
+        # deals them out.
+        adopt_model_parameters(optimizer, self._model.original_names,
+                               dict(self._model.named_parameters(remove_duplicate=False)))
         self._sharding: Optional[OptimizerStateSharding] = None
         self._masters: Optional[MasterWeights] = None
         self._broadcasts: Optional[ParameterBroadcasts] = None
