@@ -9,6 +9,7 @@ import torch
 from ..parallel.master_weights import MasterWeights
 from ..parallel.optimizer_state import OptimizerStateSharding
 from ..parallel.parameter_broadcasts import ParameterBroadcasts
+from ..runtime.replica_check import check_replicas
 from ..runtime.state import current
 from .param_mapping import adopt_model_parameters
 
@@ -47,6 +48,7 @@ class DistributedOptimizer:
         self._masters: Optional[MasterWeights] = None
         self._broadcasts: Optional[ParameterBroadcasts] = None
         self.grad_norm: Optional[torch.Tensor] = None  # before clipping, from the last step that clipped
+        self.steps = 0  # taken by `step`; every `replica_check_interval` of them, the replica check runs
         config, replicas = runtime.config, runtime.mesh["rdp"]
         if config.effective_zero_stage == 1 and (replicas.size() > 1 or config.sharded_master_weights):
             self._sharding = OptimizerStateSharding(optimizer, replicas.get_group())
@@ -73,10 +75,15 @@ class DistributedOptimizer:
     def step(self, closure: Any = None) -> Any:
         """Unscale (fp16), clip (`gradient_clipping`, keeping the global norm in `grad_norm` for logs), step;
         an fp16 overflow on any rank skips it on all. Under ZeRO-1 each owner then starts broadcasting what it
-        updated, and returns without waiting."""
+        updated, and returns without waiting, unless the replica check is due (`replica_check_interval`)."""
         self.synchronize()
         result = self._step_masters(closure) if self._masters is not None else self._step_replicas(closure)
         self._start_broadcasts()
+        self.steps += 1
+        interval = self._runtime.config.replica_check_interval
+        if interval is not None and self.steps % interval == 0:
+            self.synchronize()
+            check_replicas(self._model.named_parameters(), self._runtime.mesh, self._runtime.device, self.steps)
         return result
 
     def synchronize(self) -> None:

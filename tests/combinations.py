@@ -1,0 +1,211 @@
+"""The combination matrix: the axes users combine, a pairwise covering array of them, and one run.
+
+A combination picks one value per axis. `config_for` turns it into a config and
+the world it runs on; `train_combination` is one rank of the seed's loop under
+it (the replica check on every step); `reference` trains one plain process the
+same way; `compare` says how far apart they are. `tests/test_combination_matrix.py`
+runs every pair of axis values, `bench/combinations.py` the full product.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel.tensor import SequencePlan, TensorParallelPlan
+from tiny_models import blocks, build, dataset, loss_fn, relative_error, seed_step
+
+ROWS = 2  # per data-parallel rank and step
+STEPS = 3
+CLIP = 0.5  # the gradient norm starts above 1 for every family: clipping acts on every step
+
+# name: (world size, ranks per node, config); 4 ranks on one node unless the layout needs more
+LAYOUTS: dict[str, tuple[int, int, dict]] = {
+    "ddp": (4, 4, {}),
+    "zero1": (4, 4, {"shard_optimizer_state": True}),
+    "zero2": (4, 4, {"zero_stage": 2, "sharded_data_parallel_degree": 4}),
+    "zero3": (4, 4, {"sharded_data_parallel_degree": 4}),
+    "mics": (4, 4, {"sharded_data_parallel_degree": 2}),
+    "tp": (4, 4, {"tensor_parallel_degree": 2}),
+    "tp-world": (2, 2, {"tensor_parallel_degree": 2}),  # one tensor-parallel group, no data parallelism
+    "tp-sharded": (4, 4, {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}),
+    "pp": (4, 4, {"pipeline_parallel_degree": 2, "microbatches": 2}),
+    "pp-tp-dp": (8, 4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}),
+    "sp": (4, 4, {"tensor_parallel_degree": 2, "sequence_parallel": True}),
+}
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
+
+# Rows the matrix once found wrong, run besides the covering array: (layout, family, precision, clipping,
+# checkpointing, optimizer).
+REGRESSIONS = [
+    ("tp-world", "gpt2", "fp16", True, False, "after"),     # the loss scaler met DTensor and plain gradients
+    ("mics", "bert", "fp32", False, False, "after"),        # BERT's tied embeddings sat in two FSDP units
+    ("tp-sharded", "bert", "bf16", True, False, "after"),
+    ("pp", "llama", "fp16", False, True, "after"),          # stand-ins of other stages computed in fp32
+    ("zero3", "llama", "fp32", True, True, "before"),       # an optimizer built first kept stale parameters
+    ("tp", "gpt2", "fp32", True, False, "before"),
+]
+
+AXES: dict[str, tuple[Any, ...]] = {
+    "layout": tuple(LAYOUTS),
+    "family": ("gpt2", "llama", "bert", "stack"),
+    "precision": tuple(PRECISIONS),
+    "clipping": (False, True),
+    "checkpointing": (False, True),
+    "optimizer": ("after", "before"),
+}
+
+# Relative tolerances against the fp32 process: fp32 differs by summation order only; bf16 keeps 8 bits of
+# mantissa, fp16 11, through a few steps of compute.
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 5e-3}
+
+# The plain nn.Module has no built-in tensor-parallel plan: its user brings one, saying where sequence
+# parallelism may shard the sequence.
+PLANS = {"stack": TensorParallelPlan(styles={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"},
+                                     sequence=SequencePlan(blocks="blocks.*", norms=("blocks.*.norm",)))}
+
+
+def pairwise(axes: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """A covering array: every pair of values of two axes appears in some row. Greedy and deterministic:
+    each row starts from the first pair not covered yet and fills the other axes with the value that covers
+    the most new pairs (on ties the one fewest rows have yet, then the first, so rows vary)."""
+    names = list(axes)
+    position = {(name, value): (i, j) for i, name in enumerate(names) for j, value in enumerate(axes[name])}
+    uncovered = {((a, va), (b, vb)) for i, a in enumerate(names) for b in names[i + 1:]
+                 for va in axes[a] for vb in axes[b]}
+
+    def pairs(row: dict[str, Any]) -> set:
+        items = [(name, row[name]) for name in names if name in row]
+        return {(x, y) for k, x in enumerate(items) for y in items[k + 1:]}
+
+    rows = []
+    while uncovered:
+        (a, va), (b, vb) = min(uncovered, key=lambda pair: (position[pair[0]], position[pair[1]]))
+        row = {a: va, b: vb}
+        for name in names:
+            if name not in row:
+                row[name] = max(axes[name], key=lambda v: (len(pairs({**row, name: v}) & uncovered),
+                                                           -sum(r[name] == v for r in rows)))
+        row = {name: row[name] for name in names}
+        rows.append(row)
+        uncovered -= pairs(row)
+    return rows
+
+
+def product(axes: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """Every combination."""
+    import itertools
+
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def name_of(combo: dict[str, Any]) -> str:
+    flags = [f"{combo['layout']}", combo["family"], combo["precision"]]
+    flags += [axis for axis in ("clipping", "checkpointing") if combo[axis]]
+    return "-".join(flags + [f"opt-{combo['optimizer']}"])
+
+
+def config_for(combo: dict[str, Any]) -> tuple[int, int, dict]:
+    """(world size, ranks per node, config) of a combination; the replica check runs after every step."""
+    world, per_node, layout = LAYOUTS[combo["layout"]]
+    config = {**layout, **PRECISIONS[combo["precision"]], "replica_check_interval": 1}
+    if combo["clipping"]:
+        config["gradient_clipping"] = CLIP
+    return world, per_node, config
+
+
+def param_groups(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict]:
+    """Two groups with their own options, as real scripts have: matrices decay, vectors (biases, norms) do not."""
+    named = [(n, p) for n, p in named if p.requires_grad]
+    return [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 0.05}]
+
+
+def make_optimizer(named: Iterable[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(param_groups(named), lr=0.1, momentum=0.9)
+
+
+def _distributed(module: nn.Module, combo: dict[str, Any]) -> tuple[sw.DistributedModel, sw.DistributedOptimizer]:
+    """Model and optimizer in the order the combination says: real SMP scripts often build the optimizer first."""
+    plan = PLANS.get(combo["family"])
+    if combo["optimizer"] == "before":
+        optimizer = make_optimizer(module.named_parameters())
+        return sw.DistributedModel(module, tensor_parallel_plan=plan), sw.DistributedOptimizer(optimizer)
+    model = sw.DistributedModel(module, tensor_parallel_plan=plan)
+    return model, sw.DistributedOptimizer(make_optimizer(model.named_parameters()))
+
+
+def train_combination(combo: dict[str, Any]) -> dict:
+    """One rank: losses (None where this rank holds none), clip norms, and on rank 0 the whole parameters."""
+    world, _, config = config_for(combo)
+    sw.init(config)
+    family = combo["family"]
+    model, optimizer = _distributed(build(family, freeze_key_bias=True), combo)
+    if combo["checkpointing"]:
+        for block in blocks(model.get_module()):
+            sw.set_activation_checkpointing(block)
+    train_step = seed_step(family)
+    losses, norms = [], []
+    for inputs, targets in sw.data_loader(dataset(family, STEPS * ROWS * sw.dp_size()), batch_size=ROWS,
+                                          shuffle=False):
+        optimizer.zero_grad()
+        out = train_step(model, inputs, targets)
+        losses.append(out.reduce_mean().item() if out.holds_loss else None)
+        optimizer.step()
+        norms.append(None if optimizer.grad_norm is None else float(optimizer.grad_norm))
+    state = {k: v.float() for k, v in model.full_state_dict().items()}
+    return {"losses": losses, "norms": norms, "dp_size": sw.dp_size(), "state": state if sw.rank() == 0 else None}
+
+
+def init_only(combo: dict[str, Any]) -> None:
+    sw.init(config_for(combo)[2])
+
+
+@functools.cache
+def reference(family: str, clip: bool, global_batch: int) -> dict:
+    """One plain process, no shardwise, on the same global batches: losses, norms before clipping, parameters."""
+    model = build(family, freeze_key_bias=True)
+    optimizer = make_optimizer(model.named_parameters())
+    data = dataset(family, STEPS * global_batch)
+    losses, norms = [], []
+    for step in range(STEPS):
+        inputs, targets = data[step * global_batch:(step + 1) * global_batch]
+        optimizer.zero_grad()
+        loss = loss_fn(family, model, inputs, targets)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)) if clip else None)
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _relative(got: list[float], want: list[float]) -> float:
+    return max(abs(g - w) / max(abs(w), 1e-6) for g, w in zip(got, want))
+
+
+def compare(combo: dict[str, Any], ranks: list[dict]) -> dict[str, float]:
+    """Worst relative differences from the plain process: per-step mean loss, clip norm on any rank, and
+    any whole parameter (norm-relative, see tiny_models.relative_error)."""
+    want = reference(combo["family"], combo["clipping"], ROWS * ranks[0]["dp_size"])
+    held = [r["losses"] for r in ranks if r["losses"][0] is not None]
+    losses = torch.tensor(held).mean(0).tolist()
+    worst = {"loss": _relative(losses, want["losses"])}
+    if combo["clipping"]:
+        worst["norm"] = max(_relative(r["norms"], want["norms"]) for r in ranks)
+    state = ranks[0]["state"]
+    missing = set(want["state"]) - set(state)
+    if missing:
+        raise AssertionError(f"full_state_dict() lacks {sorted(missing)[:3]}")
+    worst["parameter"] = max(relative_error(state[k], v) for k, v in want["state"].items())
+    return worst
+
+
+def within_tolerance(combo: dict[str, Any], worst: dict[str, float]) -> Optional[str]:
+    """None, or which measure exceeds the precision's tolerance."""
+    limit = TOLERANCE[combo["precision"]]
+    over = {k: v for k, v in worst.items() if v > limit}
+    return None if not over else ", ".join(f"{k} differs by {v:.2e} (> {limit:g})" for k, v in over.items())
