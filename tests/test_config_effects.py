@@ -96,3 +96,36 @@ def test_check_config_prints_the_same_notice_and_exits_0(capsys):
     assert "layout: pp=1 × dp_replicate=4 × dp_shard=1 × tp=1" in out
     assert err == ("shardwise check-config: warning: " + HEAD + "pipeline_schedule (needs pipeline_parallel_degree "
                    "> 1), prescaled_batch (needs tensor_parallel_degree > 1)" + FIX + "\n")
+
+
+def wrapped_warnings(monkeypatch, config: dict, build) -> list[str]:
+    """The IneffectiveSettingsWarnings `DistributedModel` gives for the model `build()` returns, in one process."""
+    for name in ("WORLD_SIZE", "MASTER_ADDR", "SHARDWISE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    sw.init(config)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", IneffectiveSettingsWarning)
+            sw.DistributedModel(build())
+    finally:
+        sw.shutdown()
+    return [str(w.message) for w in caught if w.category is IneffectiveSettingsWarning]
+
+
+def test_the_model_names_what_only_it_makes_ineffective(monkeypatch):
+    """delayed_parameter_initialization for a model built on a real device; auto_wrap_min_params for a model
+    whose own blocks are its sharding units (the size threshold is for models without)."""
+    from tiny_models import tiny_gpt2
+
+    got = wrapped_warnings(monkeypatch, {"zero_stage": 3, "auto_wrap_min_params": 1000,
+                                         "delayed_parameter_initialization": True}, tiny_gpt2)
+    assert got == [HEAD + "delayed_parameter_initialization (needs the model built inside "
+                   "sw.delay_param_initialization()), auto_wrap_min_params (GPT2LMHeadModel is sharded by its own "
+                   "blocks)" + FIX]
+
+
+def test_the_size_threshold_acts_on_a_model_without_blocks(monkeypatch):
+    from torch import nn
+
+    build = lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))  # noqa: E731
+    assert wrapped_warnings(monkeypatch, {"zero_stage": 3, "auto_wrap_min_params": 16}, build) == []

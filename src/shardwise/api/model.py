@@ -10,13 +10,28 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from ..config import ShardwiseConfig
+from ..config.effects import changed
 from ..parallel import precision
 from ..parallel.clipping import clip_grad_norm_
 from ..parallel.compose import parallelize
 from ..parallel.pipeline import PipelineParallel
 from ..parallel.tensor import PlanLike
+from ..parallel.materialize import has_meta
+from ..parallel.wrap import known_blocks
+from ..runtime.init import warn_ineffective
 from ..runtime.state import current
 from .param_mapping import OriginalNames
+
+
+def _ineffective_for(module: nn.Module, config: ShardwiseConfig) -> list[tuple[str, str]]:
+    """Settings only the model makes ineffective: `init` cannot see them."""
+    found = []
+    if config.delayed_parameter_initialization and not has_meta(module):
+        found.append(("delayed_parameter_initialization", "needs the model built inside sw.delay_param_initialization()"))
+    if config.effective_zero_stage >= 2 and changed(config, "auto_wrap_min_params") and known_blocks(module):
+        found.append(("auto_wrap_min_params", f"{type(module).__name__} is sharded by its own blocks"))
+    return found
 
 
 class DistributedModel(nn.Module):
@@ -35,6 +50,7 @@ class DistributedModel(nn.Module):
         self._runtime = runtime
         # Before parallelizing replaces them: an optimizer built from `module` is mapped by these names.
         self.original_names = OriginalNames(module)
+        warn_ineffective(_ineffective_for(module, runtime.config))
         self._parallel = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan)
         self.module = self._parallel.module
         # FSDP2 modules cast by their own policy, ZeRO-1's half-precision replicas by hooks alike

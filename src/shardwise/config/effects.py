@@ -2,10 +2,11 @@
 
 Such a key is valid, but a user who set it believes it did something; `init`
 warns and `check-config` prints the same notice, naming each key and what it
-needs. Pure (no torch), so the planner can use it too. Not listed, because
-only the script or the model decides: `delayed_parameter_initialization`
-(needs `sw.delay_param_initialization()`), `auto_wrap_min_params` for models
-with known blocks, and `ddp: false` (refused with several replicas, inert with one).
+needs. Pure (no torch), so the planner can use it too. What only the script
+or the model decides, `DistributedModel` names with the same notice
+(`delayed_parameter_initialization` for a model not built under
+`sw.delay_param_initialization()`, `auto_wrap_min_params` for models with known
+blocks); `ddp: false` is refused with several replicas and inert with one.
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ class IneffectiveSettingsWarning(UserWarning):
     """A config sets keys that have no effect in its layout."""
 
 
-def _changed(config: ShardwiseConfig, key: str) -> bool:
+def changed(config: ShardwiseConfig, key: str) -> bool:
     return getattr(config, key) != ShardwiseConfig.model_fields[key].default
 
 
 def _pipeline(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
     if c.pipeline_parallel_degree == 1:
-        yield from ((key, "needs pipeline_parallel_degree > 1") for key in PIPELINE_KEYS if _changed(c, key))
+        yield from ((key, "needs pipeline_parallel_degree > 1") for key in PIPELINE_KEYS if changed(c, key))
         return
-    if c.pipeline_split_points is not None and _changed(c, "pipeline_balance"):
+    if c.pipeline_split_points is not None and changed(c, "pipeline_balance"):
         yield "pipeline_balance", "pipeline_split_points fixes the cut"
     if c.active_microbatches is not None and c.pipeline_round == c.model_copy(
             update={"active_microbatches": None}).pipeline_round:
@@ -41,9 +42,9 @@ def _pipeline(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
 def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
     if c.tensor_parallel_degree == 1 and c.prescaled_batch:
         yield "prescaled_batch", "needs tensor_parallel_degree > 1"
-    if not c.offload_activations and _changed(c, "activation_loading_horizon"):
+    if not c.offload_activations and changed(c, "activation_loading_horizon"):
         yield "activation_loading_horizon", "needs offload_activations"
-    if c.effective_zero_stage < 2 and _changed(c, "auto_wrap_min_params"):
+    if c.effective_zero_stage < 2 and changed(c, "auto_wrap_min_params"):
         yield "auto_wrap_min_params", "sizes ZeRO-2/3 sharding units; needs zero_stage 2 or 3"
 
 
@@ -54,7 +55,11 @@ def ineffective_settings(config: ShardwiseConfig) -> list[tuple[str, str]]:
 
 def ineffective_notice(config: ShardwiseConfig) -> Optional[str]:
     """One line naming every such key and why, or None when every setting counts."""
-    found = ineffective_settings(config)
+    return notice_of(ineffective_settings(config))
+
+
+def notice_of(found: list[tuple[str, str]]) -> Optional[str]:
+    """The notice for (key, what it needs) pairs, or None for none: also for what only the model tells."""
     if not found:
         return None
     return ("these settings have no effect in this layout: " + ", ".join(f"{key} ({why})" for key, why in found)

@@ -59,10 +59,15 @@ def _self_contained(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]
             if all(name.startswith(f"{path[id(unit)]}.") for p in unit.parameters() for name in users[id(p)])]
 
 
-def sharding_units(model: nn.Module, min_params: int) -> list[nn.Module]:
-    """Submodules to shard individually, innermost first; the root is always a unit too."""
+def known_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's own blocks (Hugging Face's `_no_split_modules`, else a repeated ModuleList), or none."""
     for finder in (_hf_blocks, _repeated_blocks):
         blocks = finder(model)
         if blocks:
-            return _self_contained(model, blocks)
-    return _self_contained(model, _by_size(model, min_params))
+            return blocks
+    return []
+
+
+def sharding_units(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """Submodules to shard individually, innermost first; the root is always a unit too."""
+    return _self_contained(model, known_blocks(model) or _by_size(model, min_params))

@@ -9,7 +9,8 @@ from typing import Any, Mapping, Union
 import torch
 import torch.distributed as dist
 
-from ..config import IneffectiveSettingsWarning, Problem, ShardwiseConfig, ineffective_notice, load_dict, merge_sources
+from ..config import IneffectiveSettingsWarning, Problem, ShardwiseConfig, ineffective_settings, load_dict, merge_sources
+from ..config.effects import notice_of
 from ..topology import Cluster
 from ..topology.layout import validate
 from . import state
@@ -65,9 +66,9 @@ def _start_process_group(device: torch.device) -> bool:
     return True
 
 
-def _warn_ineffective(config: ShardwiseConfig) -> None:
-    """Rank 0 names the settings that change nothing in this layout (once, not once per rank)."""
-    notice = ineffective_notice(config)
+def warn_ineffective(found: list[tuple[str, str]]) -> None:
+    """Rank 0 names the settings that change nothing here (once, not once per rank)."""
+    notice = notice_of(found)
     if notice and dist.get_rank() == 0:
         warnings.warn(notice, IneffectiveSettingsWarning, stacklevel=3)
 
@@ -90,7 +91,7 @@ def init(config: ConfigLike = None) -> ShardwiseConfig:
     device = local_device(local_rank)
     owns = _start_process_group(device)
     check_same_config(resolved, device)
-    _warn_ineffective(resolved)
+    warn_ineffective(ineffective_settings(resolved))
     mesh = ParallelMesh(device, layout)
     state.set_current(state.Runtime(config=resolved, cluster=cluster, layout=layout, mesh=mesh, device=device,
                                     rank=dist.get_rank(), local_rank=local_rank, owns_process_group=owns))
