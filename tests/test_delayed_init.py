@@ -87,3 +87,23 @@ def test_values_and_training_equal_one_process(kind, mode):
             assert rank["peak"] < bound < rank["size"], "no rank may hold the whole model while it is built"
         else:
             assert rank["peak"] >= rank["size"], "a DDP replica holds the whole model"
+
+
+class _Scaled(torch.nn.Module):
+    """A parameter made in __init__ with no reset_parameters(): nothing could initialise it later."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+
+def test_a_module_nothing_can_initialise_is_an_error_not_garbage():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_Scaled())
+    with pytest.raises(ValueError) as err:
+        materialize(model, torch.device("cpu"), SEED)
+    assert str(err.value) == (
+        "delayed parameter initialisation cannot initialise '0' (_Scaled): it has no reset_parameters() and no Hugging "
+        "Face model encloses it; fix: give it a reset_parameters() that sets its own tensors, or build the model "
+        "outside sw.delay_param_initialization()")

@@ -76,8 +76,11 @@ def materialize(module: nn.Module, device: torch.device, seed: int, root: Option
             if own and all(i in done for i in own):
                 continue  # a tied weight its first module already initialised
             init = _initialiser(_ancestors(root, name), sub)
-            if init is None:
-                continue
+            if init is None:  # its tensors would keep whatever memory torch.empty found
+                raise ValueError(f"delayed parameter initialisation cannot initialise {name or 'the model'!r} "
+                                 f"({type(sub).__name__}): it has no reset_parameters() and no Hugging Face model "
+                                 "encloses it; fix: give it a reset_parameters() that sets its own tensors, or "
+                                 "build the model outside sw.delay_param_initialization()")
             torch.manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
             init()
             done.update(own)
