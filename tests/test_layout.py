@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise as sw
-from shardwise.config import parse_config
+from shardwise.config import ConfigError, parse_config
 from shardwise.testing import run_distributed
 from shardwise.topology import AXES, Cluster, Layout, layout_for
 
@@ -57,6 +57,27 @@ def test_flat_zero3_across_nodes_is_reported_as_crossing():
 def test_cluster_shape_from_the_environment(env, shape):
     cluster = Cluster.from_env(env)
     assert (cluster.nodes, cluster.devices_per_node) == shape
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "3"},
+     "invalid shardwise config: LOCAL_WORLD_SIZE=3: must divide WORLD_SIZE=8 (shardwise needs the same number of "
+     "processes on every node); fix: start the same number of processes on every node, so that LOCAL_WORLD_SIZE "
+     "is one of 1, 2, 4, 8"),
+    ({"SLURM_NTASKS": "10", "SLURM_NNODES": "4"},
+     "invalid shardwise config: SLURM_NNODES=4: must divide SLURM_NTASKS=10 (shardwise needs the same number of "
+     "processes on every node); fix: start the same number of processes on every node, so that SLURM_NNODES "
+     "is one of 1, 2, 5, 10"),
+    ({"WORLD_SIZE": "four", "LOCAL_WORLD_SIZE": "0"},
+     "invalid shardwise config:\n"
+     "  WORLD_SIZE='four': must be a positive integer; fix: set WORLD_SIZE to 1 or more, or unset it\n"
+     "  LOCAL_WORLD_SIZE='0': must be a positive integer; fix: set LOCAL_WORLD_SIZE to 1 or more, or unset it"),
+])
+def test_a_cluster_shape_the_environment_cannot_give_is_named(env, message):
+    """No guessed shape (one node, or one process per node): the variables, their values and the fix."""
+    with pytest.raises(ConfigError) as err:
+        Cluster.from_env(env)
+    assert str(err.value) == message
 
 
 def test_unknown_axis_is_named():

@@ -166,11 +166,21 @@ def test_checkpointing_keeps_block_inputs_and_recomputes_one_group():
     assert _acts(spec, checkpointing="group_2").device == pytest.approx(layers / 2 * h * 2 * tokens + 2 * block + edges)
 
 
+@pytest.mark.parametrize("settings, in_flight", [
+    ({"microbatches": 8}, 4),                                   # 1F1B: pp in flight
+    ({"microbatches": 8, "active_microbatches": 8}, 4),         # a round of all of them: still pp
+    ({"microbatches": 8, "active_microbatches": 2}, 2),         # rounds below pp run as GPipe
+    ({"microbatches": 2}, 2),                                   # fewer microbatches than stages
+    ({"microbatches": 8, "pipeline_schedule": "gpipe"}, 8),     # GPipe: the whole round
+    ({"microbatches": 8, "active_microbatches": 4, "pipeline_schedule": "gpipe"}, 4),
+])
+def test_in_flight_microbatches_follow_the_runtimes_rounds(settings, in_flight):
+    """As parallel/pipeline/schedule.py runs rounds of `pipeline_round`."""
+    config = parse_config({"pipeline_parallel_degree": 4, **settings})
+    assert in_flight_microbatches(config, Layout(pp=4, tp=1)) == in_flight
+
+
 def test_pipeline_stage_zero_holds_the_in_flight_microbatches():
-    layout = Layout(pp=4, tp=1)
-    assert in_flight_microbatches(parse_config({"pipeline_parallel_degree": 4, "microbatches": 8}), layout) == 4
-    assert in_flight_microbatches(parse_config({"pipeline_parallel_degree": 4, "microbatches": 8,
-                                                "active_microbatches": 2}), layout) == 2
     spec = resolve_model("gpt2-10b")
     two, three, four = (_acts(spec, pp=4, in_flight=k).device for k in (2, 3, 4))
     tokens = 2 * 512

@@ -1,4 +1,5 @@
-"""The seeds' reference points: SMP's GPT-2 layouts (seed 001) and MiCS vs ZeRO-3 for the ViT (seed 000).
+"""The seeds' reference points: SMP's GPT-2 layouts (seed 001) and MiCS vs ZeRO-3 for the ViT (seed 000),
+and, over their plans, that every config the planner proposes runs as written.
 
 SMP's layouts use optimizer state sharding (ZeRO-1) in fp16. Like SMP, shardwise's ZeRO-1 in
 fp16 keeps fp16 parameters and gradients on every replica and shards the fp32 master copy with
@@ -8,10 +9,12 @@ the optimizer states (2a + 2a + 12a/n, `planner/wrapping.py`, measured), so SMP'
 
 import pytest
 
-from shardwise.config import parse_config
+from shardwise.config import ConfigError, config_problems, ineffective_settings, parse_config
+from shardwise.config import validate as validation
 from shardwise.planner import cluster_preset, evaluate, model_state_bytes, plan, resolve_model
 from shardwise.planner.wrapping import optimizer_share
 from shardwise.topology import layout_for
+from shardwise.topology.layout import validate
 
 # Seed 001's table: nodes of p4d.24xlarge, TP, PP, batch per model replica (prescaled), microbatches, active.
 # Every row uses optimizer state sharding, per-layer checkpointing and prescaled_batch; SMP trains GPT-2 in fp16.
@@ -33,10 +36,14 @@ def _reference(name):
     return resolve_model(name), cluster, config, ref["batch"] * dp
 
 
+def _plan(name):
+    spec, cluster, _, global_batch = _reference(name)
+    return plan(spec, cluster, global_batch=global_batch, precision="fp16")
+
+
 @pytest.mark.parametrize("name", list(REFERENCE))
 def test_smp_degrees_fit_with_sharded_data_parallelism(name):
-    spec, cluster, _, global_batch = _reference(name)
-    result = plan(spec, cluster, global_batch=global_batch, precision="fp16")
+    result = _plan(name)
     wanted = (REFERENCE[name]["tp"], REFERENCE[name]["pp"], "per_layer")
     found = [e for e in result.fitting if (e.layout.tp, e.layout.pp, e.checkpointing) == wanted and e.zero_stage >= 2]
     assert found, f"SMP's {name} degrees are not among the {len(result.fitting)} fitting layouts"
@@ -49,8 +56,7 @@ def test_smp_reference_layout_fits(name):
     exact = evaluate(spec, cluster, config, global_batch=global_batch, checkpointing="per_layer")
     assert exact.fits, exact.reason
     wanted = (REFERENCE[name]["tp"], REFERENCE[name]["pp"], "per_layer", 1)
-    result = plan(spec, cluster, global_batch=global_batch, precision="fp16")
-    assert any((e.layout.tp, e.layout.pp, e.checkpointing, e.zero_stage) == wanted for e in result.fitting)
+    assert any((e.layout.tp, e.layout.pp, e.checkpointing, e.zero_stage) == wanted for e in _plan(name).fitting)
 
 
 def test_zero1_in_half_precision_keeps_smps_model_states():
@@ -67,8 +73,7 @@ def test_zero1_in_half_precision_keeps_smps_model_states():
 
 
 def test_plain_ddp_of_10b_does_not_fit():
-    spec, cluster, _, global_batch = _reference("gpt2-10b")
-    result = plan(spec, cluster, global_batch=global_batch, precision="fp16")
+    result = _plan("gpt2-10b")
     ddp = [e for e in result.considered if (e.layout.tp, e.layout.pp, e.zero_stage) == (1, 1, 0)]
     assert ddp and not any(e.fits for e in ddp)
     assert all("GiB more than the 40 GiB" in e.reason for e in ddp)
@@ -84,3 +89,49 @@ def test_mics_groups_of_4_beat_zero3_over_32_gpus_for_the_vit():
     gain = 1 - mics.step_time / zero3.step_time
     print(f"predicted MiCS speed-up over ZeRO-3: {gain:.1%} (seed 000 measured ~14%)")
     assert 0 < gain < 0.3
+
+
+@pytest.mark.parametrize("name", list(REFERENCE))
+def test_every_planned_config_runs_as_written(name):
+    """`shardwise run`'s own validation accepts every config the plan predicts, with the layout the plan
+    shows; no config, predicted or rejected, sets a key without effect (no IneffectiveSettingsWarning),
+    and no two evaluations are the same config."""
+    result = _plan(name)
+    for e in result.considered:
+        config, _ = config_problems(e.config)
+        assert ineffective_settings(config) == [], e.config
+        if e.memory is not None:
+            assert validate(e.config, result.cluster.topology)[1] == e.layout
+    predicted = [(tuple(sorted(e.config.items())), e.checkpointing) for e in result.considered if e.memory is not None]
+    assert len(predicted) == len(set(predicted))
+
+
+def _offloading(result):
+    return [e for e in result.fitting if e.config.get("offload_activations")]
+
+
+def test_features_this_release_lacks_are_not_proposed_until_built(monkeypatch):
+    """Offload is not built yet: the 60B plan proposes none, and would once `unavailable_features` lets it."""
+    assert not _offloading(_plan("gpt2-60b"))
+    monkeypatch.setattr(validation, "unavailable_features", lambda config: [])
+    assert _offloading(_plan("gpt2-60b"))
+
+
+def test_evaluate_refuses_what_run_refuses():
+    spec, cluster, config, global_batch = _reference("gpt2-60b")
+    with pytest.raises(ConfigError, match=r"^invalid shardwise config: offload_activations=True: this feature is "
+                       r"not available yet in this shardwise release; fix: remove the key"):
+        evaluate(spec, cluster, {**config, "offload_activations": True}, global_batch=global_batch,
+                 checkpointing="per_layer")
+
+
+def test_any_feature_a_release_lacks_leaves_the_plan(monkeypatch):
+    """The planner asks the release, not a list of its own: were sequence parallelism unavailable, no
+    fitting layout would use it and `--explain` would say why."""
+    assert any(e.config.get("sequence_parallel") for e in _plan("gpt2-10b").fitting)
+    monkeypatch.setattr(validation, "unavailable_features",
+                        lambda config: [("sequence_parallel", True)] if config.sequence_parallel else [])
+    result = _plan("gpt2-10b")
+    assert not any(e.config.get("sequence_parallel") for e in result.fitting)
+    assert any("sequence_parallel=True: this feature is not available yet" in (e.reason or "")
+               for e in result.considered)

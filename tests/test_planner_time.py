@@ -64,14 +64,17 @@ def test_recompute_repeats_the_forward_of_the_blocks():
     assert per_layer.recompute == pytest.approx(none.compute / 3 * block_share)
 
 
-def test_pipeline_bubble_is_pp_minus_one_microbatch_slots():
+def test_pipeline_bubble_is_pp_minus_one_microbatch_slots_per_round():
+    """One round of all 16 microbatches fills and drains the 8 stages once; rounds of 2 (active_microbatches
+    below pp, run as GPipe by the runtime) do it 8 times, each with its exposed sends."""
     node = cluster_preset("p4d.24xlarge")
     t = _time({"bf16": True, "pipeline_parallel_degree": 8, "microbatches": 16}, cluster=node)
     per_microbatch = (t.compute + t.recompute + t.tensor_parallel) / 16
     assert t.pipeline_bubble == pytest.approx(7 * per_microbatch)
     starved = _time({"bf16": True, "pipeline_parallel_degree": 8, "microbatches": 16, "active_microbatches": 2},
                     cluster=node)
-    assert starved.pipeline_bubble == pytest.approx((16 * 8 / 2 - 16) * per_microbatch)
+    assert starved.pipeline_bubble == pytest.approx(8 * 7 * per_microbatch)
+    assert starved.pipeline_p2p == pytest.approx(8 * t.pipeline_p2p)
 
 
 def test_overlap_hides_most_zero3_traffic():

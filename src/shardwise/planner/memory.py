@@ -73,10 +73,12 @@ def model_state_bytes(parameters: float, config: ShardwiseConfig, layout: Layout
 
 
 def in_flight_microbatches(config: ShardwiseConfig, layout: Layout) -> int:
-    """Microbatches whose activations stage 0 holds at once: 1F1B keeps pp, capped by active_microbatches."""
+    """Microbatches whose activations stage 0 holds at once. The runtime runs rounds of `pipeline_round`:
+    GPipe keeps a whole round, 1F1B at most pp of it (a round below pp runs as GPipe: all of it)."""
     if layout.pp == 1:
         return 1
-    return min(config.active_microbatches or layout.pp, config.microbatches)
+    pipeline_round = config.pipeline_round
+    return pipeline_round if config.pipeline_schedule == "gpipe" else min(layout.pp, pipeline_round)
 
 
 def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,

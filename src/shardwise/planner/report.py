@@ -36,9 +36,7 @@ def _tensor_parallel(e: Evaluation) -> str:
 
 
 def _microbatching(e: Evaluation) -> str:
-    m = e.config.get("microbatches", 1)
-    active = e.config.get("active_microbatches")
-    text = f"{e.micro_batch}×{m}" + (f" a{active}" if active else "")
+    text = f"{e.micro_batch}×{e.config.get('microbatches', 1)}"
     return text + (" off" if e.config.get("offload_activations") else "")
 
 
@@ -58,8 +56,7 @@ def ranked_table(plan: Plan, top: int) -> Table:
         table.add_column(name, justify="right")
     for i, e in enumerate(plan.fitting[:top], 1):
         memory = e.memory.summary()
-        mark = " †" if e.pending else ""
-        table.add_row(f"{i}{mark}", _tensor_parallel(e), str(e.layout.pp), f"{e.layout.dp_replicate}×{e.layout.dp_shard}",
+        table.add_row(str(i), _tensor_parallel(e), str(e.layout.pp), f"{e.layout.dp_replicate}×{e.layout.dp_shard}",
                       strategy(e), e.checkpointing, _microbatching(e),
                       *(f"{memory[k] / GiB:.1f}" for k in _MEMORY_COLUMNS),
                       f"{e.step_time:.3f}", f"{e.time.tokens_per_s:,.0f}", f"{e.time.mfu:.0%}")
@@ -97,9 +94,6 @@ def print_plan(plan: Plan, top: int, explain: bool, console: Optional[Console] =
     # Piped or captured output gets a wide table rather than rich's 80-column default.
     console = console or Console(width=None if sys.stdout.isatty() else 200)
     console.print(ranked_table(plan, top))
-    if any(e.pending for e in plan.fitting[:top]):
-        console.print("† needs a feature this release cannot run yet: "
-                      + ", ".join(sorted({k for e in plan.fitting[:top] for k in e.pending})))
     if not plan.fitting:
         console.print("No layout fits; run with --explain to see why each fails.")
     if not explain:
@@ -126,7 +120,7 @@ def to_json(plan: Plan) -> list[dict]:
                "step_time_parts_s": e.time.parts() if e.time else None,
                "tokens_per_s": e.time.tokens_per_s if e.time else None,
                "mfu": e.time.mfu if e.time else None,
-               "fits": e.fits, "pending_features": list(e.pending)}
+               "fits": e.fits}
         if not e.fits:
             row["reason"] = e.reason
         rows.append(row)

@@ -1,12 +1,12 @@
 """Enumerate configurations for a model on a cluster, predict each, keep the fitting ones ranked.
 
 A *layout considered* is one choice of degrees (tp, pp, MiCS group), ZeRO stage and
-checkpointing strategy. For each, the microbatch count, active microbatches,
-activation offload and sequence parallelism are chosen here: the fastest variant
-that fits, else the one needing the least memory (whose overflow `--explain`
-reports). Every candidate is
-a plain dict of config keys checked by the same `parse_config` and `layout_for`
-that `shardwise run` uses, so a plan is a config `run` accepts as is.
+checkpointing strategy. For each, the microbatch count, activation offload and
+sequence parallelism are chosen here: the fastest variant that fits, else the one
+needing the least memory (whose overflow `--explain` reports). Every candidate is
+a plain dict of config keys checked by `validate`, the validation `shardwise run`
+applies, so a plan is a config `run` accepts as is: a variant needing a feature this
+release lacks is never proposed, and is again once a release builds it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Iterator, Mapping, NamedTuple, Optional, Union
 
-from ..config import ConfigError, Problem, ShardwiseConfig, parse_config, unavailable_features
-from ..topology import Layout, layout_for
+from ..config import ConfigError, Problem, ShardwiseConfig
+from ..topology import Layout
+from ..topology.layout import validate
 from .activations import CHECKPOINTING
 from .errors import PlanError
 from .hardware import GiB, ClusterSpec
@@ -39,7 +40,6 @@ class Evaluation:
     memory: Optional[MemoryBreakdown] = None
     time: Optional[StepTime] = None
     reason: Optional[str] = None
-    pending: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -77,16 +77,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, group: int = 1,
-                microbatches: int = 1, active: Optional[int] = None, offload: bool = False,
-                sequence_parallel: bool = False) -> dict:
-    """The config keys for one candidate, leaving defaults out so the plan reads like a hand-written config."""
+                microbatches: int = 1, offload: bool = False, sequence_parallel: bool = False) -> dict:
+    """The config keys for one candidate, leaving defaults out so the plan reads like a hand-written config.
+
+    No `active_microbatches`: under the default 1f1b a round of pp or more changes nothing (pp stay in
+    flight), and a round below pp saves no more memory than smaller microbatches, which lose less to the
+    bubble, until a microbatch is one sequence (docs/planner.md, limits)."""
     d: dict = {}
     if tp > 1:
         d.update(tensor_parallel_degree=tp, prescaled_batch=True)
     if sequence_parallel:
         d["sequence_parallel"] = True
     if pp > 1:
-        d.update(pipeline_parallel_degree=pp, active_microbatches=active or min(pp, microbatches))
+        d["pipeline_parallel_degree"] = pp
     if microbatches > 1:
         d["microbatches"] = microbatches
     if stage == 1:
@@ -157,17 +160,17 @@ def _predict(spec: ModelSpec, cluster: ClusterSpec, config: ShardwiseConfig, d: 
     micro = batch // config.microbatches
     memory = predict_memory(spec, config, layout, micro, seq, checkpointing, cluster.device)
     time = predict_step_time(spec, config, layout, cluster, micro, seq, checkpointing)
-    pending = tuple(key for key, _ in unavailable_features(config))
     return Evaluation(d, layout, config.effective_zero_stage, checkpointing, batch, micro, memory, time,
-                      _overflow(memory, cluster), pending)
+                      _overflow(memory, cluster))
 
 
 def evaluate(spec: ModelSpec, cluster: ClusterSpec, config: Union[Mapping, ShardwiseConfig], *,
              global_batch: int, seq: Optional[int] = None, checkpointing: str = "none") -> Evaluation:
-    """Predict one given config (a dict of config keys or a ShardwiseConfig) on `cluster`."""
-    config = config if isinstance(config, ShardwiseConfig) else parse_config(config)
+    """Predict one given config (a dict of config keys or a ShardwiseConfig) on `cluster`; a ConfigError
+    when `shardwise run` would refuse it there."""
+    given = config.model_dump(exclude_defaults=True) if isinstance(config, ShardwiseConfig) else config
+    config, layout = validate(given, cluster.topology)
     d = config.model_dump(exclude_defaults=True)
-    layout = layout_for(config, cluster.topology)
     seq = seq or spec.seq_len
     problems = _model_problems(spec, layout, global_batch, seq, config.sequence_parallel)
     batch = global_batch // layout.dp
@@ -181,29 +184,31 @@ def evaluate(spec: ModelSpec, cluster: ClusterSpec, config: Union[Mapping, Shard
 
 def _variants(choice: _Choice, precision: str, batch: int) -> Iterator[dict]:
     """Microbatching, offload and sequence parallelism for one choice: microbatch counts dividing the
-    replica's batch, 1F1B's natural pp (or all) in flight, offload only with checkpointing, pipelining
-    and m > 1, sequence parallelism where `_considered` found it allowed."""
+    replica's batch, offload only with checkpointing, pipelining and m > 1, sequence parallelism where
+    `_considered` found it allowed."""
     tp, pp, stage, group, checkpointing, sequence = choice
     for m in (m for m in _powers_of_two(batch) if batch % m == 0):
-        actives = sorted({min(pp, m), m}) if pp > 1 else [None]
         offloads = [False, True] if pp > 1 and checkpointing != "none" and m > 1 else [False]
-        for active, offload, sp in product(actives, offloads, sequence):
+        for offload, sp in product(offloads, sequence):
             yield config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
-                              active=active, offload=offload, sequence_parallel=sp)
+                              offload=offload, sequence_parallel=sp)
 
 
 def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch: int, seq: int,
                   precision: str) -> Evaluation:
-    """The fastest fitting variant of `choice`, else the one needing the least memory."""
-    results = []
+    """The fastest fitting variant of `choice` that `shardwise run` accepts, else the one needing the least
+    memory; when run refuses every variant, why it refuses the first."""
+    results, refused = [], []
     for d in _variants(choice, precision, batch):
         try:
-            config = parse_config(d)
-            layout = layout_for(config, cluster.topology)
+            config, layout = validate(d, cluster.topology)
         except ConfigError as err:
-            layout = choice.requested_layout(cluster.world_size)
-            return _rejected(d, layout, choice.stage, err.problems, choice.checkpointing, batch)
+            refused.append(_rejected(d, choice.requested_layout(cluster.world_size), choice.stage, err.problems,
+                                     choice.checkpointing, batch))
+            continue
         results.append(_predict(spec, cluster, config, d, layout, choice.checkpointing, batch, seq))
+    if not results:
+        return refused[0]
     fitting = [e for e in results if e.fits]
     if fitting:
         return min(fitting, key=lambda e: (e.step_time, e.memory.total))
@@ -226,7 +231,7 @@ def _degree_problems(spec: ModelSpec, cluster: ClusterSpec, d: dict, layout: Lay
     """Why config `d` cannot run with its degrees: the validation `shardwise run` applies, then the model's rules."""
     problems = _model_problems(spec, layout, global_batch, seq, d.get("sequence_parallel", False))
     try:
-        layout_for(parse_config(d), cluster.topology)
+        validate(d, cluster.topology)
     except ConfigError as err:
         problems = err.problems + problems
     return problems

@@ -23,7 +23,6 @@ from . import assumptions as A
 from .activations import CHECKPOINTING
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .hardware import ClusterSpec
-from .memory import in_flight_microbatches
 from .spec import ModelSpec
 from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, first_broadcast_bucket, optimizer_share,
                        reduce_buckets, replicated_by_fsdp, stored_bytes)
@@ -172,8 +171,8 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     return (scattered + gathered + summed).serial
 
 
-def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float) -> float:
-    """Exposed pipeline sends: on fill and drain, pp - 1 hops forward and back wait for the link."""
+def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float, rounds: int) -> float:
+    """Exposed pipeline sends: on every round's fill and drain, pp - 1 hops forward and back wait for the link."""
     layout = traffic.layout
     if layout.pp == 1:
         return 0.0
@@ -182,7 +181,7 @@ def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float) ->
     m = traffic.microbatches
     traffic.records.append(Collective("activation send/recv (fill and drain exposed)", "pp", 2 * m * activation,
                                       send.link, 2 * m * send.serial))
-    return 2 * (layout.pp - 1) * send.serial
+    return 2 * (layout.pp - 1) * rounds * send.serial
 
 
 def _optimizer_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
@@ -202,6 +201,19 @@ def _offload_seconds(config: ShardwiseConfig, cluster: ClusterSpec, checkpointin
         return 0.0
     moved = 2 * config.microbatches * -(-layers // group) * activation / cluster.device.host_bandwidth
     return _phase(compute, LinkTime(intra=moved), layers) - compute
+
+
+def pipeline_rounds(config: ShardwiseConfig) -> int:
+    """Passes of the pipeline schedule per step, each filling and draining the stages: the runtime runs the
+    microbatches in rounds of `pipeline_round`."""
+    return config.microbatches // config.pipeline_round
+
+
+def pipeline_slots(config: ShardwiseConfig, layout: Layout) -> int:
+    """Microbatch slots the busiest stage spends per step: every round fills and drains pp stages."""
+    if layout.pp == 1:
+        return config.microbatches
+    return pipeline_rounds(config) * (config.pipeline_round + layout.pp - 1)
 
 
 def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
@@ -225,10 +237,10 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     t_last = fwd_phase + _phase(2 * forward + recompute, traffic.backward + traffic.sync, layers) + tp_time
     # ZeRO-1's broadcasts stretch the first forward (nothing else overlaps it then: ZeRO-1 gathers nothing)
     t_first = _phase(forward, traffic.next_forward, layers, traffic.first_bucket) - forward
-    slots = max(m + pp - 1, m * pp / in_flight_microbatches(config, layout)) if pp > 1 else m
     time = StepTime(compute=3 * forward * m, recompute=recompute * m, tensor_parallel=tp_time * m,
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial,
-                    pipeline_bubble=(slots - m) * t_mb, pipeline_p2p=_pipeline_p2p(traffic, cluster, activation),
+                    pipeline_bubble=(pipeline_slots(config, layout) - m) * t_mb,
+                    pipeline_p2p=_pipeline_p2p(traffic, cluster, activation, pipeline_rounds(config)),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
                     offload=_offload_seconds(config, cluster, checkpointing, layers, activation, m * busy))
     tokens_per_s = micro_batch * m * layout.dp * seq / time.total
