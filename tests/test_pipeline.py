@@ -200,3 +200,42 @@ def test_manual_split_points_any_block_model_and_printed_partition():
     ]
     assert "stage 1 (pp rank 1): blocks.1-3, norm, head" in ranks[0][2]["printed"]
     assert ranks[1][0]["printed"] == ""
+
+
+def count_calls(steps: int) -> list[dict]:
+    """Per training step on this rank: how often the step function started, and how often it got past
+    `model(...)` (2 stages × 2 replicas, 2 microbatches)."""
+    sw.init({**PP2, "microbatches": 2})
+    model = sw.DistributedModel(build("gpt2"))
+    opt = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+    counts = {"started": 0, "past_model": 0}
+
+    @sw.step
+    def train_step(model, inputs, targets):
+        counts["started"] += 1
+        loss = loss_fn("gpt2", model, inputs, targets)
+        counts["past_model"] += 1
+        model.backward(loss)
+        return loss
+
+    per_step = []
+    for inputs, targets in sw.data_loader(dataset("gpt2", steps * 2 * 2 * sw.dp_size()), batch_size=4, shuffle=False):
+        opt.zero_grad()
+        train_step(model, inputs, targets)
+        opt.step()
+        per_step.append({**counts, "last": sw.pp_rank() == sw.pp_size() - 1})
+        counts.update(started=0, past_model=0)
+    return per_step
+
+
+def test_the_step_function_contract_under_a_pipeline():
+    """docs/pipeline.md: code before `model(...)` runs once per microbatch on every rank and once more on the
+    last stage; code after it only on the last stage, once per microbatch, and on the first step once more
+    for the first microbatch (the schedule's trial run that learns what stages send)."""
+    for per_step in run_distributed(count_calls, 4, 2, timeout=300):
+        first, second = per_step
+        if first["last"]:
+            assert (first["started"], first["past_model"]) == (5, 3)
+            assert (second["started"], second["past_model"]) == (4, 2)
+        else:
+            assert [(s["started"], s["past_model"]) for s in per_step] == [(2, 0), (2, 0)]

@@ -58,7 +58,7 @@ def broadcasts_in_forward(config: dict) -> dict:
     each module of its forward runs, with the buckets still pending then (seen by a hook registered after
     ZeRO-1's)."""
     loop = small_buckets(SeedLoop, config, freeze_key_bias=False, **SIZES)
-    broadcasts, counter = loop.optimizer._broadcasts, Collectives("broadcast_")
+    broadcasts, counter = loop.optimizer._update.broadcasts, Collectives("broadcast_")
     calls, after_step, seen = [], [], []
     around_steps(loop, lambda: calls.append(counter.calls),
                  lambda: (calls.append(counter.calls), after_step.append(broadcasts.pending)))
@@ -113,7 +113,7 @@ def read_paths() -> dict:
     the readers that return no parameters, the parameters once every broadcast has arrived."""
     loop = small_buckets(SeedLoop, {"shard_optimizer_state": True, "bf16": True}, freeze_key_bias=False, **SIZES)
     model, optimizer = loop.model, loop.optimizer
-    broadcasts = optimizer._broadcasts
+    broadcasts = optimizer._update.broadcasts
     loaded, loaded_sum = {k: v.clone() for k, v in model.state_dict().items()}, _sum(model.parameters())
     batch = _rows(loop.data, 0, sw.dp_rank(), ROWS, sw.dp_size())
     evaluate = sw.step(lambda model, inputs, targets: loss_fn("gpt2", model, inputs, targets))
@@ -172,7 +172,7 @@ def train_overlapped(kind: str, config: dict, optimizer: str) -> dict:
     """The seed's loop with small buckets: losses, final weights, and the buckets pending when each
     `optimizer.step()` is called (after the @step's forward) and when it returns."""
     loop = small_buckets(SeedLoop, config, kind, optimizer)
-    broadcasts, at_step, after_step = loop.optimizer._broadcasts, [], []
+    broadcasts, at_step, after_step = loop.optimizer._update.broadcasts, [], []
     around_steps(loop, lambda: at_step.append(broadcasts.pending), lambda: after_step.append(broadcasts.pending))
     losses = [loop.step(index) for index in range(STEPS)]
     return {"losses": losses, "norms": [], "state": loop.weights(), "names": sorted(loop.model.state_dict()),
@@ -220,7 +220,7 @@ def test_fp32_same_math_with_small_buckets(config):
 def pending_across_shutdown() -> list[int]:
     """The buckets pending after a step, and after `sw.shutdown()`."""
     loop = small_buckets(SeedLoop, {"shard_optimizer_state": True, "bf16": True}, freeze_key_bias=False, **SIZES)
-    broadcasts = loop.optimizer._broadcasts
+    broadcasts = loop.optimizer._update.broadcasts
     loop.step(0)
     before = len(broadcasts.pending)
     sw.shutdown()

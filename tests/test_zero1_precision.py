@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise as sw
-from shardwise.parallel import shares
+from shardwise.parallel.zero1 import shares
 from shardwise.testing import run_distributed
 from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error
 
@@ -454,7 +454,7 @@ def reduces_during_backward(microbatches: int) -> dict:
     transformer.wte.weight.register_hook(lambda grad: before_embedding.append(counter.calls))
     with counter:
         loop.step(0)
-    buckets = loop.optimizer._masters.buckets.buckets
+    buckets = loop.optimizer._update.masters.buckets.buckets
     embeddings = {id(transformer.wte.weight), id(transformer.wpe.weight)}
     return {"before_embedding": before_embedding, "calls": counter.calls, "bytes": counter.bytes,
             "buckets": len(buckets), "gradients_alive": max(alive),
@@ -467,11 +467,12 @@ def pipeline_reduces(microbatches: int) -> dict:
     config = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True,
               "microbatches": microbatches}
     loop = small_buckets(SeedLoop, config, freeze_key_bias=False, **SIZES)
-    counter, at_schedule_end, end_round = Collectives("reduce_"), [], loop.model.after_pipeline_step
-    loop.model.after_pipeline_step = lambda: (at_schedule_end.append(counter.calls), end_round())
+    update = loop.optimizer._update
+    counter, at_schedule_end, end_round = Collectives("reduce_"), [], update.after_backward_passes
+    update.after_backward_passes = lambda: (at_schedule_end.append(counter.calls), end_round())
     with counter:
         loop.step(0)
-    buckets, tied = loop.optimizer._masters.buckets.buckets, loop.model.tied_across_stages()
+    buckets, tied = update.masters.buckets.buckets, loop.model._strategy.ties.held()
     return {"at_schedule_end": at_schedule_end, "calls": counter.calls, "buckets": len(buckets),
             "tied_buckets": sum(any(id(p) in tied for p in b.params) for b in buckets)}
 

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ..config import ShardwiseConfig
 from ..config.effects import changed
 from ..parallel import precision
-from ..parallel.clipping import clip_grad_norm_
 from ..parallel.compose import parallelize
-from ..parallel.pipeline import PipelineParallel
-from ..parallel.tensor import PlanLike
 from ..parallel.materialize import has_meta
+from ..parallel.strategy import OptimizerUpdate
+from ..parallel.tensor import PlanLike
 from ..parallel.wrap import known_blocks
 from ..runtime.init import warn_ineffective
 from ..runtime.state import current
@@ -39,7 +35,8 @@ class DistributedModel(nn.Module):
 
     `tensor_parallel_plan` splits a model that has no built-in plan (module-path
     pattern → style, see docs/tensor_parallel.md); it is used only when
-    tensor_parallel_degree > 1.
+    tensor_parallel_degree > 1. Every call acts on this model's own strategy
+    (parallel/strategy.py), so several models live side by side in one process.
     """
 
     def __init__(self, module: nn.Module, tensor_parallel_plan: PlanLike = None):
@@ -51,32 +48,34 @@ class DistributedModel(nn.Module):
         # Before parallelizing replaces them: an optimizer built from `module` is mapped by these names.
         self.original_names = OriginalNames(module)
         warn_ineffective(_ineffective_for(module, runtime.config))
-        self._parallel = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan)
-        self.module = self._parallel.module
-        # FSDP2 modules cast by their own policy, ZeRO-1's half-precision replicas by hooks alike
-        self._autocast = not (isinstance(self.module, FSDPModule) or runtime.config.sharded_master_weights)
+        self._strategy = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan)
+        self.module = self._strategy.module
         self.loss_scaler = precision.loss_scaler(runtime.config, runtime.device)
-        # Set by a DistributedOptimizer that reduces gradients itself (ZeRO-1 in bf16/fp16): run after a
-        # pipeline @step's schedule, once the gradients of weights tied across stages are summed.
-        self.after_pipeline_step: Optional[Callable[[], None]] = None
-        # Set by a DistributedOptimizer whose step leaves parameter broadcasts in flight (ZeRO-1): waits for
-        # them. Forward waits module by module; reading or loading parameters here waits for all first.
-        self.synchronize_parameters: Optional[Callable[[], None]] = None
-        runtime.model = self
+        runtime.models.add(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._autocast and precision.compute_dtype(self._runtime.config) is not None:
-            with precision.autocast(self._runtime.config, self._runtime.device):
-                return precision.in_fp32(self.module(*args, **kwargs))  # as FSDP2's and ZeRO-1's outputs
-        return self.module(*args, **kwargs)
+        return self._strategy.forward(*args, **kwargs)
 
     def get_module(self) -> nn.Module:
-        return self._parallel.inner
+        return self._strategy.inner
 
-    @contextlib.contextmanager
-    def microbatch_context(self, last: bool):
-        with self._parallel.microbatch_context(last):
-            yield
+    @property
+    def runs_whole_step(self) -> bool:
+        """A pipelined model: its schedule runs a whole @step, which then takes no other DistributedModel."""
+        return self._strategy.runs_whole_step
+
+    @property
+    def holds_loss(self) -> bool:
+        """False on pipeline ranks whose stages do not compute the loss."""
+        return self._strategy.holds_loss
+
+    def microbatch_context(self, last: bool) -> ContextManager:
+        return self._strategy.microbatch_context(last)
+
+    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]],
+                 around: Callable[[int], ContextManager]) -> list[Any]:
+        """Run a @step function's microbatches (each under `around(index)`, unless a pipeline schedules them)."""
+        return self._strategy.run_step(self, fn, pieces, around)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`, averaged over the microbatches of the current @step (and loss-scaled in fp16)."""
@@ -94,35 +93,25 @@ class DistributedModel(nn.Module):
             loss = self.loss_scaler.scale(loss)
         return loss
 
-    def run_pipeline(self, fn: Any, pieces: list[tuple[tuple, dict]]) -> list[Any]:
-        """Run a @step function's microbatches through the pipeline (pipeline_parallel_degree > 1)."""
-        outputs = self._parallel.run_step(self, fn, pieces)
-        if self.after_pipeline_step is not None and torch.is_grad_enabled():
-            self.after_pipeline_step()
-        return outputs
-
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every shard of every gradient; returns the norm before clipping."""
         if self._runtime.config.sharded_master_weights:
             raise RuntimeError("under ZeRO-1 in bf16/fp16 backward sends the gradients to fp32 master copies, "
                                "which optimizer.step() clips; set gradient_clipping in the config instead")
-        if isinstance(self._parallel, PipelineParallel):  # counts the other stages' gradients too
-            return self._parallel.clip_grad_norm_(max_norm)
-        return clip_grad_norm_(self.parameters(), max_norm, self._runtime.device)
+        return self._strategy.clip_grad_norm_(max_norm, self._runtime.device)
 
-    def tied_copies(self) -> set[int]:
-        """ids of the parameters that copy a weight tied across pipeline stages: a global norm skips them."""
-        return self._parallel.ties.duplicates() if isinstance(self._parallel, PipelineParallel) else set()
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerUpdate:
+        """How `optimizer`, over this model's parameters, steps under its strategy (DistributedOptimizer's)."""
+        return self._strategy.bind(optimizer, self.loss_scaler, self._runtime.device)
 
-    def tied_across_stages(self) -> set[int]:
-        """ids of this rank's copies of weights tied across pipeline stages: their gradients are final only
-        once the schedule has run and summed them."""
-        return self._parallel.ties.held() if isinstance(self._parallel, PipelineParallel) else set()
+    def owns_any(self, params: list[torch.Tensor]) -> bool:
+        """Some of `params` are this model's parameters, or ones it replaced when parallelizing."""
+        held = {id(p) for p in self.get_module().parameters()}
+        return any(id(p) in held or self.original_names.names_of(p) is not None for p in params)
 
     def wait_for_parameters(self) -> None:
         """Wait for parameter updates still in flight (ZeRO-1 overlaps them with the next forward)."""
-        if self.synchronize_parameters is not None:
-            self.synchronize_parameters()
+        self._strategy.wait_for_parameters()
 
     # Names as the user's module has them (no "module." prefix from the wrapper).
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -147,7 +136,4 @@ class DistributedModel(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer as a whole tensor on every rank, named as in the user's module."""
         self.wait_for_parameters()
-        state = get_model_state_dict(self.get_module(), options=StateDictOptions(full_state_dict=True))
-        if isinstance(self._parallel, PipelineParallel):  # add the other stages' parts
-            return self._parallel.gather_stages(state)
-        return state
+        return self._strategy.full_state_dict()

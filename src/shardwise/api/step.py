@@ -7,14 +7,14 @@ pass through unchanged. Gradients sync once, after the last microbatch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ..parallel.tensor import loss_context
 from ..runtime.state import current
 
 
@@ -79,28 +79,50 @@ def _split(tree: Any, parts: int) -> list[Any]:
     return [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(parts)]
 
 
+def _models_among(args: tuple, kwargs: dict) -> list[Any]:
+    """The DistributedModels passed to a @step function, in order (also inside lists, tuples and dicts)."""
+    from .model import DistributedModel
+
+    found = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, DistributedModel)]
+    return list({id(model): model for model in found}.values())
+
+
+def _step_models(args: tuple, kwargs: dict) -> list[Any]:
+    models = _models_among(args, kwargs)
+    if not models:
+        raise RuntimeError("@step found no sw.DistributedModel among the step function's arguments; pass the "
+                           "model in, e.g. train_step(model, inputs, targets)")
+    if len(models) > 1 and any(model.runs_whole_step for model in models):
+        raise ValueError("a pipelined DistributedModel runs a whole @step through its schedule, so the step takes "
+                         "no other DistributedModel; give each model a @step function of its own")
+    return models
+
+
 def step(fn: Callable[..., Any]) -> Callable[..., StepOutput]:
-    """Decorate a train/eval step: `fn(model, *batch)` runs per microbatch; returns a `StepOutput`."""
+    """Decorate a train/eval step: `fn(model, *batch)` runs per microbatch; returns a `StepOutput`.
+
+    The DistributedModels among the arguments are the ones it acts on: each synchronises its gradients
+    after the last microbatch (a teacher and a student in one step, each its own way)."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> StepOutput:
         runtime = current("@shardwise.step")
-        if runtime.model is None:
-            raise RuntimeError("@step needs a sw.DistributedModel; create it before calling the step function")
+        models = _step_models(args, kwargs)
         parts = runtime.config.microbatches
         pieces = _split((args, kwargs), parts)
-        if runtime.config.pipeline_parallel_degree > 1:
-            outputs = runtime.model.run_pipeline(fn, pieces)
-            return StepOutput(outputs, holds_loss=bool(outputs))
-        outputs = []
-        try:
-            for index, (mb_args, mb_kwargs) in enumerate(pieces):
-                runtime.microbatch = (index, parts)
-                # loss_context: vocabulary-parallel logits need forward, loss and backward under loss_parallel().
-                with runtime.model.microbatch_context(last=index == parts - 1), loss_context(runtime.model.get_module()):
-                    outputs.append(fn(*mb_args, **mb_kwargs))
-        finally:
-            runtime.microbatch = None
-        return StepOutput(outputs)
+
+        @contextlib.contextmanager
+        def around(index: int) -> Iterator[None]:
+            runtime.microbatch = (index, parts)
+            try:
+                with contextlib.ExitStack() as stack:
+                    for model in models:
+                        stack.enter_context(model.microbatch_context(last=index == parts - 1))
+                    yield
+            finally:
+                runtime.microbatch = None
+
+        outputs = models[0].run_step(fn, pieces, around)
+        return StepOutput(outputs, holds_loss=models[0].holds_loss)
 
     return run

@@ -1,16 +1,16 @@
 """Mixed precision: low-precision compute, fp32 master weights and fp32 gradient reduction.
 
-Sharded models (ZeRO-2/3, MiCS) get FSDP2's per-module casting (the bf16/fp16
-copies are what gets gathered, halving traffic); replicated models use autocast.
-DDP keeps fp32 parameters; ZeRO-1 stores them in the compute dtype and computes
-as FSDP2 does (`store_in_compute_dtype`), with fp32 masters of each rank's share
-kept by the optimizer (master_weights.py). fp16 adds dynamic loss scaling whose
-overflow check agrees across every rank.
+Which mode a model gets is decided once, in `topology/decisions.py`
+(`precision_mode`): FSDP2's per-module casting for sharded and `replicate`d models
+(the bf16/fp16 copies are what gets gathered, halving traffic); autocast around
+forward for DDP and a lone replica, which keep fp32 parameters; ZeRO-1's replicas
+stored in the compute dtype, computing as FSDP2 does (`store_in_compute_dtype`),
+with fp32 masters of each rank's share kept by the optimizer (zero1/master_weights.py).
+fp16 adds dynamic loss scaling whose overflow check agrees across every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from collections import defaultdict
 from typing import Any, ContextManager, Optional
@@ -20,19 +20,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..config.schema import ShardwiseConfig
+from .local import local_tensor
 
 
 def compute_dtype(config: ShardwiseConfig) -> Optional[torch.dtype]:
     return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
 
 
-def sharded_policy(config: ShardwiseConfig, root: bool) -> MixedPrecisionPolicy:
-    """FSDP2 policy; the root returns fp32 outputs so the user's loss is computed in full precision."""
-    dtype = compute_dtype(config)
+def sharded_policy(dtype: Optional[torch.dtype], root: bool) -> MixedPrecisionPolicy:
+    """FSDP2 policy computing in `dtype` (None: as stored); the root returns fp32 outputs so the user's loss
+    is computed in full precision."""
     if dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
@@ -44,7 +44,7 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
 
 @torch.no_grad()
-def store_in_compute_dtype(module: nn.Module, config: ShardwiseConfig) -> None:
+def store_in_compute_dtype(module: nn.Module, dtype: torch.dtype) -> None:
     """ZeRO-1 in bf16/fp16: keep `module`'s parameters in the compute dtype and compute in it as FSDP2's
     policy does for ZeRO-2/3 (floating inputs cast to it, outputs returned in fp32 for the loss), so every
     sharding mode does the same arithmetic.
@@ -56,7 +56,6 @@ def store_in_compute_dtype(module: nn.Module, config: ShardwiseConfig) -> None:
     collector runs: collect first. Buffers keep their dtype: rotary frequencies would
     lose accuracy in bf16.
     """
-    dtype = compute_dtype(config)
     gc.collect()
     for param in module.parameters():
         if param.is_floating_point() and param.dtype != dtype:
@@ -70,10 +69,7 @@ def in_fp32(outputs: Any) -> Any:
     return _cast_floating(outputs, torch.float32)
 
 
-def autocast(config: ShardwiseConfig, device: torch.device) -> ContextManager:
-    dtype = compute_dtype(config)
-    if dtype is None:
-        return contextlib.nullcontext()
+def autocast(dtype: torch.dtype, device: torch.device) -> ContextManager:
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
@@ -88,7 +84,7 @@ class LossScaler(ShardedGradScaler):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
-                    local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    local = local_tensor(param.grad)
                     grads[local.device, local.dtype].append(local)
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Data parallelism over the dp axes: DDP, ZeRO-2, ZeRO-3 and MiCS (ZeRO-1's sharding lives with the optimizer).
+"""Data parallelism over the dp axes: DDP, ZeRO-2, ZeRO-3 and MiCS (ZeRO-1's optimizer side is zero1/).
 
 ZeRO-2/3 use FSDP2 (`fully_shard`) on the `dp_shard` axis; with `dp_replicate`
 > 1 the 2-D mesh makes it hybrid sharding, which is MiCS: parameters are
@@ -9,7 +9,7 @@ gradient all-reduce crosses groups.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -18,25 +18,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config.schema import ShardwiseConfig
 from ..runtime.mesh import ParallelMesh
+from ..topology.decisions import Wrapping
 from . import precision
+from .strategy import Strategy
 from .wrap import sharding_units
 
 
-class DataParallel:
-    """What the runtime needs from a data-parallel wrapping: the module to call and per-microbatch sync."""
-
-    def __init__(self, module: nn.Module, inner: nn.Module):
-        self.module = module  # called in forward
-        self.inner = inner  # the user's module, parameters named as they wrote them
-
-    def microbatch_context(self, last: bool) -> ContextManager:
-        return contextlib.nullcontext()
-
-
-class Replicated(DataParallel):
-    """DDP (ZeRO-0, and ZeRO-1 in fp32): full replicas, gradients all-reduced once per step.
+class Replicated(Strategy):
+    """DDP, FSDP2's `replicate`, one replica alone, or ZeRO-1's half-precision replicas: full copies whose
+    gradients are synchronised once per step (ZeRO-1's optimizer reduces them in bf16/fp16).
 
     Tensor-parallel parameters are DTensors, which `DistributedDataParallel`
     cannot bucket, and a pipeline stage's backward runs piecewise under its
@@ -44,31 +35,32 @@ class Replicated(DataParallel):
     with FSDP2's `replicate` (same all-reduce, DTensor-aware) instead.
     """
 
-    def microbatch_context(self, last: bool) -> ContextManager:
+    @contextlib.contextmanager
+    def microbatch_context(self, last: bool) -> Iterator[None]:
         if isinstance(self.module, FSDPModule):
             self.module.set_requires_gradient_sync(last)
-        if last or not isinstance(self.module, DistributedDataParallel):
-            return contextlib.nullcontext()
-        return self.module.no_sync()
+        skip_sync = not last and isinstance(self.module, DistributedDataParallel)
+        with self.module.no_sync() if skip_sync else contextlib.nullcontext(), super().microbatch_context(last):
+            yield
 
 
-class Sharded(DataParallel):
+class Sharded(Strategy):
     """FSDP2 (ZeRO-2/3, MiCS): gradients reduce-scattered every microbatch so they stay sharded,
     the cross-group all-reduce only after the last one."""
 
     def __init__(self, module: FSDPModule, hybrid: bool):
         super().__init__(module, module)
-        self.sharded = module
         self.hybrid = hybrid
 
     @contextlib.contextmanager
     def microbatch_context(self, last: bool) -> Iterator[None]:
         if self.hybrid:
-            self.sharded.set_requires_all_reduce(last)
-        self.sharded.set_is_last_backward(last)
-        yield
+            self.module.set_requires_all_reduce(last)
+        self.module.set_is_last_backward(last)
+        with super().microbatch_context(last):
+            yield
         if last and not torch.is_grad_enabled():
-            reshard_gathered(self.sharded)
+            reshard_gathered(self.module)
 
 
 def reshard_gathered(module: nn.Module) -> None:
@@ -83,37 +75,31 @@ def _dp_mesh(mesh: ParallelMesh, hybrid: bool) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard"]
 
 
-def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig,
-                        reshard_after_forward: bool = True,
-                        before_shard: Optional[Callable[[nn.Module], None]] = None) -> DataParallel:
-    """Wrap `model` for the configured ZeRO stage over the data-parallel axes of `mesh`.
+def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, how: Wrapping, cast: Optional[torch.dtype], *,
+                        auto_wrap_min_params: int, reshard_after_forward: bool = True,
+                        before_shard: Optional[Callable[[nn.Module], None]] = None) -> Strategy:
+    """Wrap `model` over the data-parallel axes of `mesh` as `how` says (topology/decisions.py).
 
-    `reshard_after_forward=False` keeps ZeRO-3's gathered parameters until the end of
-    backward, as ZeRO-2 does (a pipeline schedule that splits backward needs them).
-    ZeRO-2/3 call `before_shard` on every sharding unit, then the root, right before
+    `cast`: the dtype FSDP2's policy computes in (None: as stored). `reshard_after_forward=False`
+    keeps gathered parameters until the end of backward, as ZeRO-2 does (a pipeline schedule that
+    splits backward needs them). Sharding calls `before_shard` on every unit (blocks of at least
+    `auto_wrap_min_params` parameters where the model names none), then the root, right before
     sharding it (delayed initialisation materialises them there).
     """
-    stage = config.effective_zero_stage
-    if stage >= 2:
+    if how is Wrapping.SHARDED:
         hybrid = mesh["dp_replicate"].size() > 1
         dp_mesh = _dp_mesh(mesh, hybrid)
-        reshard = stage == 3 and reshard_after_forward
         prepare = before_shard or (lambda unit: None)
-        for unit in sharding_units(model, config.auto_wrap_min_params):
+        for unit in sharding_units(model, auto_wrap_min_params):
             prepare(unit)
-            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard,
-                        mp_policy=precision.sharded_policy(config, root=False))
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                        mp_policy=precision.sharded_policy(cast, root=False))
         prepare(model)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard,
-                    mp_policy=precision.sharded_policy(config, root=True))
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=precision.sharded_policy(cast, root=True))
         return Sharded(model, hybrid)  # fully_shard turned `model` into an FSDPModule in place
-    if config.sharded_master_weights:  # ZeRO-1 in bf16/fp16: the optimizer reduces gradients (master_weights.py)
-        precision.store_in_compute_dtype(model, config)
-        return Replicated(model, model)
-    rdp_mesh = mesh["rdp"]
-    if rdp_mesh.size() == 1:
-        return Replicated(model, model)
-    # DDP can neither bucket DTensors nor follow a pipeline schedule's split forward and backward passes.
-    if config.tensor_parallel_degree > 1 or config.pipeline_parallel_degree > 1:
-        return Replicated(replicate(model, mesh=rdp_mesh, mp_policy=precision.sharded_policy(config, root=True)), model)
-    return Replicated(DistributedDataParallel(model, device_mesh=rdp_mesh), model)
+    if how is Wrapping.REPLICATE:
+        return Replicated(replicate(model, mesh=mesh["rdp"], mp_policy=precision.sharded_policy(cast, root=True)), model)
+    if how is Wrapping.DDP:
+        return Replicated(DistributedDataParallel(model, device_mesh=mesh["rdp"]), model)
+    return Replicated(model, model)  # one replica, or ZeRO-1's replicas whose optimizer reduces gradients

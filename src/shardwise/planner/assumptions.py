@@ -20,6 +20,5 @@ FRAGMENTATION_MARGIN = 0.10
 OPTIMIZER_STATE_BYTES = 8
 
 # Gradient buckets of DDP and ZeRO-1 (PyTorch DDP's default bucket_cap_mb): one collective, and one
-# latency, per bucket. ZeRO-2/3 issue one collective per transformer block instead, and ZeRO-1's
-# parameter broadcast one per tensor.
-BUCKET_BYTES = 25 * 1024 ** 2
+# latency, per bucket. ZeRO-2/3 issue one collective per transformer block instead. The runtime's value.
+from ..parallel.zero1.shares import BUCKET_BYTES  # noqa: E402,F401

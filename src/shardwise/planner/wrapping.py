@@ -2,11 +2,15 @@
 
 Measured with MemTracker on the runtime itself (tests/test_planner_measured.py):
 
+Which wrapping and which precision mode a config gets on a layout is the runtime's
+own decision, read from `topology/decisions.py`:
+
 - ZeRO-0, and ZeRO-1 in fp32, run under torch DDP. Mixed precision is autocast
   there: parameters, gradients and DDP's gradient buckets stay fp32, the residual
   stream too, and autocast keeps a low-precision copy of every weight a matmul reads
-  for backward. With tensor or pipeline parallelism FSDP2's `replicate` replaces DDP
-  and casts by its policy.
+  for backward. With tensor or pipeline parallelism and several replicas FSDP2's
+  `replicate` replaces DDP and casts by its policy; a lone replica is not wrapped
+  and autocasts.
 - ZeRO-1 (parallel/optimizer_state.py) deals whole tensors, largest first, to the
   least-loaded rank, so the busiest rank holds more than 1/n of the optimizer
   state, and broadcasts each updated tensor from its owner after the step.
@@ -31,8 +35,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from ..config.schema import ShardwiseConfig
-from ..parallel.shares import BUCKET_BYTES, IN_FLIGHT, assign_owners, consecutive_buckets, fill_buckets
+from ..parallel.zero1.shares import BUCKET_BYTES, IN_FLIGHT, assign_owners, consecutive_buckets, fill_buckets
 from ..topology import Layout
+from ..topology.decisions import PrecisionMode, Wrapping, precision_mode, wrapping
 from . import assumptions as A
 from .activations import Numerics
 from .spec import ModelSpec
@@ -62,19 +67,14 @@ def fully_sharded(config: ShardwiseConfig) -> bool:
     return config.effective_zero_stage >= 2
 
 
-def replicated_by_ddp(config: ShardwiseConfig, layout: Layout) -> bool:
-    """ZeRO-0 (and fp32 ZeRO-1) without tensor or pipeline parallelism: torch DDP."""
-    return not (fully_sharded(config) or config.sharded_master_weights) and layout.tp == 1 and layout.pp == 1
-
-
 def replicated_by_fsdp(config: ShardwiseConfig, layout: Layout) -> bool:
-    """ZeRO-0 (and fp32 ZeRO-1) with tensor or pipeline parallelism: FSDP2's `replicate`."""
-    return not (fully_sharded(config) or config.sharded_master_weights or replicated_by_ddp(config, layout))
+    """FSDP2's `replicate` (ZeRO-0 and fp32 ZeRO-1 with tensor or pipeline parallelism and several replicas)."""
+    return wrapping(config, layout) is Wrapping.REPLICATE
 
 
 def autocast(config: ShardwiseConfig, layout: Layout) -> bool:
-    """Mixed precision by autocast under DDP; FSDP2 and ZeRO-1's half-precision replicas cast by policy."""
-    return config.dtype_name != "fp32" and replicated_by_ddp(config, layout)
+    """Mixed precision by autocast (DDP, one replica); FSDP2 and ZeRO-1's half-precision replicas cast."""
+    return precision_mode(config, layout) is PrecisionMode.AUTOCAST
 
 
 def numerics(config: ShardwiseConfig, layout: Layout) -> Numerics:

@@ -106,8 +106,9 @@ def shutdown(wait: bool = True) -> None:
     collectives. A rank leaving after an error passes False, so that it never waits
     for peers that may not send.
     """
-    if wait and state.is_initialized() and state.current().model is not None:
-        state.current().model.wait_for_parameters()
+    if wait and state.is_initialized():
+        for model in list(state.current().models):
+            model.wait_for_parameters()
     state.set_current(None)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..parallel.local import local_tensor
 from .mesh import ParallelMesh
 
 _AS_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -36,8 +37,7 @@ class ReplicaMismatchError(RuntimeError):
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """An int64 of every bit of `tensor`'s local values, weighted by position (wrapping sums are exact)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    flat = local.detach().contiguous().view(-1)
+    flat = local_tensor(tensor).detach().contiguous().view(-1)
     bits = flat.view(_AS_INTEGER[flat.element_size()]).to(torch.int64)
     weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) % _MODULUS + 1
     return (bits * weights).sum()

@@ -7,7 +7,8 @@ reads it here; everything under `parallel/` still receives the mesh explicitly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
+from weakref import WeakSet
 
 import torch
 
@@ -26,8 +27,9 @@ class Runtime:
     rank: int
     local_rank: int
     owns_process_group: bool
-    # The DistributedModel of this run, which DistributedOptimizer and @step work with.
-    model: Optional[Any] = field(default=None)
+    # Every live DistributedModel, so that shutdown waits for their parameter updates in flight and an
+    # optimizer finds the model that owns its parameters. Calls never pick a model from here.
+    models: WeakSet = field(default_factory=WeakSet)
     # Set while @step runs a batch: (microbatch index, number of microbatches).
     microbatch: Optional[tuple[int, int]] = field(default=None)
 

@@ -3,24 +3,24 @@
 Order: partition (printed on rank 0) → untie weights shared across stages →
 drop what other ranks hold → place this rank's part on its device (initialising
 it there when the model was built on the meta device) → one view per local
-stage → tensor parallel on the stages (a plan reduced to the modules they hold)
-→ data parallel / sharding per stage module → `PipelineStage`s and the schedule.
+stage → the composition's `split_part` (tensor parallel, a plan reduced to the
+modules the stages hold) → its `wrap_part` per stage module (precision, data
+parallel / sharding) → `PipelineStage`s and the schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ...config.schema import ShardwiseConfig
 from ...runtime.mesh import ParallelMesh
 from .. import precision
 from ..materialize import place
-from ..sharding import apply_data_parallel
-from ..tensor import PlanLike, TensorParallelBatch, TensorParallelPlan, apply_tensor_parallel, plan_for
+from ..tensor import PlanLike, TensorParallelPlan, plan_for
 from ..tensor.plan import match
 from .partition import partition
 from .runner import PipelineParallel
@@ -40,9 +40,10 @@ def stage_plan(model: nn.Module, plan: PlanLike = None) -> TensorParallelPlan:
     return dataclasses.replace(plan, styles=held(plan.styles), local_attrs=held(plan.local_attrs))
 
 
-def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig,
-                   tp_plan: PlanLike = None) -> PipelineParallel:
-    """Reduce `model` in place to this rank's pipeline stages and return what runs them."""
+def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, tp_plan: PlanLike,
+                   split_part: Callable, wrap_part: Callable) -> PipelineParallel:
+    """Reduce `model` in place to this rank's pipeline stages and return what runs them. `split_part` and
+    `wrap_part` are the composition's own steps (compose.py), applied here to the stages."""
     pp_mesh = mesh["pp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     total = pp * config.stages_per_rank
@@ -57,24 +58,20 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig
     ties.connect(mesh.layout, dist.get_rank(), ranks)
     ties.broadcast_values()
     stages = [StageModule(stage_view(model, part, s), part, s) for s in local]
-    if config.tensor_parallel_degree > 1:
-        apply_tensor_parallel(model, mesh["tp"], config, stage_plan(model, tp_plan))
-        for stage in stages:
-            TensorParallelBatch(mesh["tp"], config.prescaled_batch).install(stage.module)
+    plan = stage_plan(model, tp_plan) if config.tensor_parallel_degree > 1 else None
+    split_part(model, [stage.module for stage in stages], mesh, config, plan)
     wrapped = []
     for stage in stages:
         # A schedule that splits backward in two needs a stage's gathered parameters between the halves.
-        dp = apply_data_parallel(stage, mesh, config,
-                                 reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
-        # FSDP2 casts by its own policy, ZeRO-1's half-precision parameters by hooks alike (as without stages)
-        if not (isinstance(dp.module, FSDPModule) or config.sharded_master_weights):
-            stage.precision = lambda: precision.autocast(config, device)
-        elif precision.compute_dtype(config) is not None:
+        strategy = wrap_part(stage, mesh, config, reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
+        if strategy.autocast is not None:
+            stage.precision = strategy.autocast
+        elif precision.compute_dtype(config) is not None:  # the stage stores or casts parameters in it
             for stand_in in (m for m in stage.module.modules() if isinstance(m, Elsewhere)):
                 stand_in.compute_in(precision.compute_dtype(config))
         stage.install_hooks()
-        wrapped.append(dp.module)
-    runner = PipelineParallel(model, stages, wrapped, ties, config, pp_mesh.get_group())
+        wrapped.append(strategy.module)
+    runner = PipelineParallel(model, stages, wrapped, ties, pp_mesh.get_group(), config.pipeline_round)
     pipeline_stages = [EvalSafeStage(module, stage.index, total, device, group=pp_mesh.get_group())
                        for module, stage in zip(wrapped, stages)]
     runner.schedule = build_schedule(config.pipeline_schedule, pipeline_stages, config.pipeline_round, runner.loss)

@@ -9,16 +9,16 @@ reductions add up to the same gradients as one reduction at the end.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ...config.schema import ShardwiseConfig
 from ...runtime.state import current
 from ..clipping import clip_grad_norm_
+from ..strategy import Pieces, Strategy
 from ..tensor import loss_context
 from . import schedule as schedules
 from .calls import OutputsModel, call_with, capture
@@ -47,28 +47,31 @@ def _join(calls: list[dict[str, Any]]) -> dict[str, Any]:
     return tree_map(join, calls[0], *calls[1:])
 
 
-class PipelineParallel:
-    """What DistributedModel keeps under pipeline parallelism, in place of a data-parallel wrapping."""
+class PipelineParallel(Strategy):
+    """A pipelined model's strategy: this rank's stages under a schedule that runs the whole @step."""
+
+    runs_whole_step = True
 
     def __init__(self, inner: nn.Module, stages: list[StageModule], wrapped: list[nn.Module],
-                 ties: TiedWeights, config: ShardwiseConfig, pp_group: dist.ProcessGroup):
-        self.inner = inner  # the user's module, reduced to this rank's stages; names as in the unsplit model
-        self.module = StageModules(wrapped)
+                 ties: TiedWeights, pp_group: dist.ProcessGroup, per_round: int):
+        super().__init__(StageModules(wrapped), inner)  # inner: reduced to this rank's stages, names unsplit
         self.stages = stages
         self.ties = ties
-        self.config = config
         self.pp_group = pp_group
+        self.per_round = per_round  # microbatches each run of the schedule takes (config.pipeline_round)
         self.holds_loss = any(stage.is_last for stage in stages)
         self.schedule: Any = None  # set by apply_pipeline once the PipelineStages exist
         self._step: Optional[dict[str, Any]] = None  # the @step call being run
 
-    def run_step(self, model: nn.Module, fn: Callable, pieces: list[tuple[tuple, dict]]) -> list[Any]:
-        """Run one @step batch through the pipeline; the per-microbatch results of `fn` on the last stage."""
+    def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces,
+                 around: Callable[[int], ContextManager]) -> list[Any]:
+        """Run one @step batch through the pipeline; the per-microbatch results of `fn` on the last stage.
+        The schedule calls `loss` per microbatch, which sets the microbatch itself (`around` is unused)."""
         forward = self.inner.forward
         calls = [capture(fn, model, forward, args, kwargs) for args, kwargs in pieces]
         train = torch.is_grad_enabled()
         device = current("@shardwise.step").device
-        per_round = self.config.pipeline_round
+        per_round = self.per_round
         self._step = {"fn": fn, "model": model, "pieces": pieces, "train": train, "results": {}}
         try:
             for start in range(0, len(pieces), per_round):
@@ -83,6 +86,7 @@ class PipelineParallel:
             if model.loss_scaler is not None and not self.holds_loss:
                 # fp16: gradients arrive scaled; the scaler's scale exists only once it has scaled something
                 model.loss_scaler.scale(torch.zeros((), device=device))
+            self.after_backward_passes()
         return [results[i] for i in range(len(pieces))] if self.holds_loss else []
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -107,12 +111,18 @@ class PipelineParallel:
                                "(run evaluation steps under torch.no_grad())")
         return torch.zeros((), device=output[0].device if isinstance(output, tuple) else output.device)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, device: torch.device) -> torch.Tensor:
         """Clip by the norm over every stage's gradients, each tied weight counted once."""
         skip = self.ties.duplicates()
-        return clip_grad_norm_(self.inner.parameters(), max_norm, current("model.clip_grad_norm_").device,
-                               across=self.pp_group,
+        return clip_grad_norm_(self.inner.parameters(), max_norm, device, across=self.pp_group,
                                counted=lambda p: id(p) not in skip)
+
+    def tied_copies(self) -> set[int]:
+        return self.ties.duplicates()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model on every rank: this rank's stages joined with every other stage's."""
+        return self.gather_stages(super().full_state_dict())
 
     @torch.no_grad()
     def gather_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import shares
-from .optimizer_state import local_tensor
+from ..local import local_tensor
 
 # Called on the owner with a bucket's parameters, their gradients averaged over the replicas (fp32, flat
 # pieces) and how many replicas had each one (a tensor on the device: reading it would wait for the device).

@@ -18,14 +18,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from ..local import local_tensor
 from .shares import assign_owners
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a tensor-parallel DTensor, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class OptimizerStateSharding:

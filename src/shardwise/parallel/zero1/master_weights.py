@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .clipping import clip_grad_norm_
+from ..clipping import clip_grad_norm_
 from .gradient_buckets import GradientBuckets
-from .optimizer_state import OptimizerStateSharding, local_tensor
+from ..local import local_tensor
+from .optimizer_state import OptimizerStateSharding
 
 
 def _split_tensor_parallel(param: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from . import shares
-from .optimizer_state import local_tensor
+from ..local import local_tensor
 
 
 def _forward_order(called: nn.Module, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:

@@ -1,0 +1,134 @@
+"""The protocol every parallel wrapping answers, so the API layer never asks which one it has.
+
+`parallelize` returns one `Strategy` per model: data parallelism (replicated or
+sharded, `sharding.py`) or a pipeline with either per stage (`pipeline/runner.py`);
+ZeRO-1 is the optimizer side of a replicated one (`zero1/`). `DistributedModel`,
+`DistributedOptimizer` and `@step` call only what is here: run a step's
+microbatches, control gradient sync per microbatch, clip, gather whole tensors,
+bind an optimizer, wait for parameter updates in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from .clipping import clip_grad_norm_
+from .precision import in_fp32
+from .tensor import loss_context
+
+Pieces = list[tuple[tuple, dict]]  # a @step call's (args, kwargs) per microbatch
+
+
+class OptimizerUpdate:
+    """How one optimizer steps under its model's strategy: unscale (fp16), clip, step. ZeRO-1 has its own."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: "Strategy",
+                 scaler: Optional[torch.amp.GradScaler], device: torch.device):
+        self.optimizer, self.strategy, self.scaler, self.device = optimizer, strategy, scaler, device
+
+    def step(self, closure: Any, clip: Optional[float]) -> tuple[Any, Optional[torch.Tensor]]:
+        """(the optimizer's result, the gradient norm before clipping or None)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = None if clip is None else self.strategy.clip_grad_norm_(clip, self.device)
+        return self.scaled_step(closure), norm
+
+    def scaled_step(self, closure: Any) -> Any:
+        """The wrapped step; in fp16 skipped on every rank when any found an overflow."""
+        if self.scaler is None:
+            return self.optimizer.step(closure)
+        result = self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return result
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Wait for parameter updates still in flight (none here)."""
+
+    def after_backward_passes(self) -> None:
+        """Once a pipeline's @step has run every backward pass (ZeRO-1 in bf16/fp16 sends what is left)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+OptimizerBinding = Callable[[torch.optim.Optimizer, "Strategy", Optional[torch.amp.GradScaler], torch.device],
+                            OptimizerUpdate]
+
+
+class Strategy:
+    """One model's parallel wrapping.
+
+    `module` is what forward calls, `inner` the user's module with the names they
+    wrote (under a pipeline reduced to this rank's stages). `precision` is the
+    context forward runs under; `binding` makes each optimizer's update (ZeRO-1's
+    when the composition chose it).
+    """
+
+    # A strategy that runs the whole @step itself (a pipeline schedule) takes no other model in the step.
+    runs_whole_step = False
+
+    def __init__(self, module: nn.Module, inner: nn.Module):
+        self.module = module
+        self.inner = inner
+        self.autocast: Optional[Callable[[], ContextManager]] = None
+        self.binding: OptimizerBinding = OptimizerUpdate
+        self.holds_loss = True
+        self._updates: list[OptimizerUpdate] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.autocast is None:
+            return self.module(*args, **kwargs)
+        with self.autocast():
+            return in_fp32(self.module(*args, **kwargs))  # as FSDP2's policy and ZeRO-1's replicas return
+
+    def microbatch_context(self, last: bool) -> ContextManager:
+        """Around one microbatch's forward, loss and backward; gradients are synchronised on the `last`."""
+        return loss_context(self.inner)  # vocabulary-parallel logits need forward, loss and backward under it
+
+    def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces,
+                 around: Callable[[int], ContextManager]) -> list[Any]:
+        """Run `fn` once per microbatch of a @step call on `model`, each under `around(index)`; the results."""
+        outputs = []
+        for index, (args, kwargs) in enumerate(pieces):
+            with around(index):
+                outputs.append(fn(*args, **kwargs))
+        return outputs
+
+    def clip_grad_norm_(self, max_norm: float, device: torch.device) -> torch.Tensor:
+        """Clip by the norm over every shard of every gradient; returns the norm before clipping."""
+        return clip_grad_norm_(self.inner.parameters(), max_norm, device)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer as a whole tensor, named as in the user's module."""
+        return get_model_state_dict(self.inner, options=StateDictOptions(full_state_dict=True))
+
+    def bind(self, optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler],
+             device: torch.device) -> OptimizerUpdate:
+        """The update of an optimizer over this model's parameters."""
+        update = self.binding(optimizer, self, scaler, device)
+        self._updates.append(update)
+        return update
+
+    def wait_for_parameters(self) -> None:
+        """Wait for parameter updates still in flight (ZeRO-1 overlaps them with the next forward)."""
+        for update in self._updates:
+            update.synchronize()
+
+    def tied_copies(self) -> set[int]:
+        """ids of parameters that copy a weight held elsewhere too: a global norm skips them."""
+        return set()
+
+    def after_backward_passes(self) -> None:
+        """Called by a pipeline once its @step's backward passes are all done and tied weights summed."""
+        for update in self._updates:
+            update.after_backward_passes()
