@@ -102,10 +102,10 @@ def main() -> int:
             result = run_one(combo)
             results.append((combo, result))
             print(f"[{i}/{len(combos)}] {name_of(combo)}: {result['status']} {result['detail']}", flush=True)
+            if i % 50 == 0 or i == len(combos):  # a run stopped midway still leaves its table
+                write(args.out, f"{args.rows} ({i} of {len(combos)} run)", results, time.monotonic() - start)
     finally:
         shutdown_pools()
-        if results:
-            write(args.out, args.rows, results, time.monotonic() - start)
     return 1 if any(r["status"] in ("over", "error") for _, r in results) else 0
 
 
