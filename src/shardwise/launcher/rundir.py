@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from torch.distributed.elastic.multiprocessing import LogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.api import LogsDest
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Std
 
 CONFIG_ENV = "SHARDWISE_CONFIG"
 RUN_DIR_ENV = "SHARDWISE_RUN_DIR"

@@ -7,6 +7,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..topology import AXES, Layout
+from ..torch_internals import clear_dtensor_caches, flatten_mesh
 
 
 class ParallelMesh:
@@ -14,8 +15,8 @@ class ParallelMesh:
         self.layout = layout
         self.world = init_device_mesh(device.type, layout.shape, mesh_dim_names=AXES)
         self._flat = {
-            "rdp": self.world["dp_replicate", "dp_shard"]._flatten("rdp"),
-            "dp": self.world["dp_replicate", "dp_shard", "tp"]._flatten("dp"),
+            "rdp": flatten_mesh(self.world["dp_replicate", "dp_shard"], "rdp"),
+            "dp": flatten_mesh(self.world["dp_replicate", "dp_shard", "tp"], "dp"),
         }
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
@@ -33,8 +34,4 @@ def forget_cached_meshes() -> None:
     second `init`, a pooled test worker), a cache hit would hand back a mesh whose
     process groups no longer exist.
     """
-    from torch.distributed.tensor import _redistribute, debug
-
-    debug._clear_sharding_prop_cache()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
+    clear_dtensor_caches()

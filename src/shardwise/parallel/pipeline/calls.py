@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+
+from ...torch_internals import tree_map
 
 
 class _Recorded(Exception):

@@ -29,12 +29,13 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from ...config.schema import SINGLE_STAGE_SCHEDULES as SINGLE_STAGE
 
 # Schedules that split backward into an input-gradient and a later weight-gradient pass.
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti  # the public bases of every schedule below
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -49,6 +50,7 @@ class EvalSafeStage(PipelineStage):
 
     A V-shaped schedule hands gradients between a rank's two stages directly, and
     torch (2.13) asserts a backward pass in that hand-over even under `eval()`.
+    The members overridden here are torch internals (listed in `shardwise.torch_internals`).
     """
 
     def get_local_bwd_output(self, mb_index: int) -> Any:
@@ -67,7 +69,7 @@ def stage_ranks(name: str, pp: int, stages: int) -> list[int]:
 
 
 def build_schedule(name: str, stages: list[PipelineStage], microbatches: int,
-                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Schedule:
     """Gradients are not rescaled by the schedule: the loss arrives already divided by the microbatches."""
     if name not in SINGLE_STAGE:
         return SCHEDULES[name](stages, microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -76,7 +78,7 @@ def build_schedule(name: str, stages: list[PipelineStage], microbatches: int,
     return SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def run(schedule: _PipelineSchedule, train: bool, target: Any, kwargs: dict[str, Any]) -> None:
+def run(schedule: Schedule, train: bool, target: Any, kwargs: dict[str, Any]) -> None:
     """One pass over a round of microbatches; outputs go to `loss_fn`, none are merged or returned
     (merging fails for scalar outputs, such as a loss computed from `labels=`, and keeps every logit)."""
     if train:

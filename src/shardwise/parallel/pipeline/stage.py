@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, Container, ContextManager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ...torch_internals import children_table, tree_flatten, tree_map, tree_unflatten
 from .partition import Blocks, Partition
 
 
@@ -86,7 +86,7 @@ class Elsewhere(nn.Module):
 
 def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
-    root.get_submodule(parent)._modules[name] = module
+    children_table(root.get_submodule(parent))[name] = module
 
 
 def _block_list(root: nn.Module, blocks: Blocks) -> nn.Module:
@@ -102,13 +102,17 @@ def _stand_in_ends(root: nn.Module, part: Partition, held: list[int]) -> None:
                     _replace(root, path, Elsewhere(root.get_submodule(path), free))
 
 
+def _keep_blocks(block_list: nn.Module, keep: Container[int]) -> None:
+    children = children_table(block_list)
+    for key in list(children):
+        if int(key) not in keep:
+            del children[key]  # not `del block_list[i]`, which renumbers the rest
+
+
 def prune(model: nn.Module, part: Partition, stages: list[int]) -> None:
     """Keep in `model` only what `stages` hold: their blocks, and the end modules if they hold an end."""
     keep = {i for s in stages for i in range(*part.bounds[s])}
-    block_list = _block_list(model, part.blocks)
-    for key in list(block_list._modules):
-        if int(key) not in keep:
-            del block_list._modules[key]  # not `del block_list[i]`, which renumbers the rest
+    _keep_blocks(_block_list(model, part.blocks), keep)
     _stand_in_ends(model, part, stages)
 
 
@@ -126,11 +130,10 @@ def stage_view(model: nn.Module, part: Partition, stage: int) -> nn.Module:
     names = part.blocks.path.split(".")
     root = node = _fork(model)
     for name in names[:-1]:
-        node._modules[name] = node = _fork(node._modules[name])
-    blocks = _fork(node._modules[names[-1]])
-    start, stop = part.bounds[stage]
-    blocks._modules = {key: block for key, block in blocks._modules.items() if start <= int(key) < stop}
-    node._modules[names[-1]] = blocks
+        children_table(node)[name] = node = _fork(children_table(node)[name])
+    blocks = _fork(children_table(node)[names[-1]])
+    _keep_blocks(blocks, range(*part.bounds[stage]))
+    children_table(node)[names[-1]] = blocks
     _stand_in_ends(root, part, [stage])
     return root
 

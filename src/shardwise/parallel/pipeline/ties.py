@@ -72,7 +72,7 @@ class TiedWeights:
                                                                              original.requires_grad)
                     group.local[stage] = name
                 path, _, pname = name.rpartition(".")
-                model.get_submodule(path)._parameters[pname] = copies[stage]
+                setattr(model.get_submodule(path), pname, copies[stage])
 
     def _copies(self, group: _Group) -> list[nn.Parameter]:
         return [self.model.get_parameter(name) for name in group.local.values()]

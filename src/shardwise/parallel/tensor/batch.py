@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._pytree import tree_leaves, tree_map
+
+from ...torch_internals import tree_leaves, tree_map
 
 
 class _ScaleGrad(torch.autograd.Function):

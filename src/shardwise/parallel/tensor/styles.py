@@ -26,7 +26,9 @@ from typing import Callable, Optional, Union
 from torch import nn
 from torch.distributed.tensor import DTensor, DeviceMesh, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
+
+from ...torch_internals import strided_shard, style_input_fn, style_output_fn
 
 # parameter name -> tensor dim that is split across the TP ranks
 Splits = dict[str, int]
@@ -44,7 +46,7 @@ def _unsupported(style: ParallelStyle, module: nn.Module,
 
 
 def _placement(dim: int, chunks: int) -> Placement:
-    return Shard(dim) if chunks == 1 else _StridedShard(dim, split_factor=chunks)
+    return Shard(dim) if chunks == 1 else strided_shard(dim, chunks)
 
 
 def _partition(splits: Splits, chunks: int, src_data_rank, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -87,13 +89,13 @@ class Colwise(ColwiseParallel):
         # A packed output is sharded chunk-wise; turning it into a plain Shard(-1) would reorder it.
         if self.chunks > 1:
             return outputs.to_local() if self.use_local_output else outputs
-        return self._prepare_output_fn(self.output_layouts, self.use_local_output, module, outputs, mesh)
+        return style_output_fn(self)(module, outputs, mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
             module, device_mesh,
             partial(_partition, self.splits(module), self.chunks, self.src_data_rank),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            style_input_fn(self),
             self._output,
         )
 
@@ -128,8 +130,8 @@ class Rowwise(RowwiseParallel):
         return distribute_module(
             module, device_mesh,
             partial(_partition, splits, 1, self.src_data_rank),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            style_input_fn(self),
+            style_output_fn(self),
         )
 
 

@@ -1,0 +1,110 @@
+"""Every private torch internal shardwise relies on, in one place.
+
+torch promises nothing about these names, so each is imported or wrapped only
+here, with why shardwise needs it and what public API would replace it, and
+`tests/test_torch_internals.py` checks each one does what shardwise assumes:
+a torch upgrade that moves one fails there, by name. CI tests torch 2.13.0
+only, so pyproject.toml declares `torch>=2.13` and nothing older.
+
+Members of torch classes that shardwise subclasses override or read on `self`
+(an override cannot be wrapped; the smoke tests check each still exists and is
+still called):
+
+- `ParallelStyle._apply` — the one method a tensor-parallel style implements
+  (`parallel/tensor/styles.py`, `parallel/tensor/sequence.py`).
+- `ShardedGradScaler._unscale_grads_` and `._scale` — `parallel/precision.py`'s
+  `LossScaler` unscales each gradient through its local tensor.
+- `PipelineStage.get_local_bwd_output`, `.set_local_bwd_input` and `.has_backward`
+  — `parallel/pipeline/schedule.py`'s `EvalSafeStage` skips the V-shaped
+  schedules' backward hand-over in evaluation.
+
+Used by tests and `bench/` only, and checked by the smoke tests all the same:
+`torch.distributed._tools.mem_tracker.MemTracker` (memory per category) and
+`torch.utils._python_dispatch.TorchDispatchMode` (collectives as they run).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+# FSDP2's replication, DTensor-aware; a pipeline stage's piecewise backward is beyond DDP's reducer.
+# Public candidate: fully_shard(..., dp_mesh_dims=DataParallelMeshDims(replicate=...)) (new in 2.13, untried here).
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import _redistribute, debug
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+# Nested containers (a Hugging Face ModelOutput included, which transformers registers here).
+# No public pytree module in torch 2.13, though torch's own distributed code uses this one throughout.
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
+
+__all__ = [
+    "at_backward_end", "children_table", "clear_dtensor_caches", "flatten_mesh", "replicate",
+    "strided_shard", "style_input_fn", "style_output_fn",
+    "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
+    "unscale_and_check_", "version",
+]
+
+
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run `callback` once the backward pass now running has finished (call it from a backward hook)."""
+    # The autograd engine's end-of-backward queue, as DDP and FSDP use it; no public equivalent.
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place write counter (shared with its views): tells whether it changed since a read.
+
+    A write through a DTensor (`load_state_dict` into a tensor-parallel parameter) counts on the DTensor
+    only, not on its local tensor: ask the parameter itself.
+    """
+    # Tensor._version: autograd's own counter; public would be a write hook, which torch lacks.
+    return tensor._version
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """A 1-D mesh over all of `mesh`'s axes (one process group across them), named `name`."""
+    # DeviceMesh._flatten, as torchtitan uses it; a public DeviceMesh.flatten would replace it.
+    return mesh._flatten(name)
+
+
+def strided_shard(dim: int, chunks: int) -> Placement:
+    """The placement of a packed tensor cut chunk by chunk along `dim` (each rank holds its part of every chunk)."""
+    # _StridedShard: the only DTensor layout for it, so full_tensor() and checkpoints keep the packed order.
+    return _StridedShard(dim, split_factor=chunks)
+
+
+def clear_dtensor_caches() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches (they hold DeviceMeshes)."""
+    # Private caches with no public reset (debug's one is private too); nothing public replaces them.
+    debug._clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
+def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply `grads` by `inv_scale` in place; set `found_inf` to 1 if any holds an inf or a nan."""
+    # The fused op GradScaler runs; public only through GradScaler.unscale_, which takes a whole optimizer.
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def style_input_fn(style: ParallelStyle) -> Callable[..., Any]:
+    """A Colwise/RowwiseParallel style's own input hook, `(module, inputs, mesh)`, bound to its current layouts."""
+    # Their private static methods; a public ParallelStyle hook API would replace them.
+    return partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts)
+
+
+def style_output_fn(style: ParallelStyle) -> Callable[..., Any]:
+    """A Colwise/RowwiseParallel style's own output hook, `(module, outputs, mesh)`, bound to its current layouts."""
+    return partial(style._prepare_output_fn, style.output_layouts, style.use_local_output)
+
+
+def children_table(module: nn.Module) -> dict[str, nn.Module | None]:
+    """The module's own table of children, to edit in place (e.g. drop blocks without renumbering the rest)."""
+    # nn.Module._modules; setattr / del cover single changes, but no public API edits the table as a whole.
+    return module._modules

@@ -1,0 +1,291 @@
+"""One smoke test per private torch internal shardwise relies on (see `shardwise.torch_internals`).
+
+Each checks the internal still exists and behaves as shardwise assumes, so a torch
+upgrade that changes one fails here, by name, before it fails deep in a training run.
+Most run in this process on a one-rank gloo group; the two that need several ranks to
+mean anything run on two.
+"""
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from shardwise.parallel.pipeline.schedule import EvalSafeStage
+from shardwise.testing import run_distributed
+from shardwise.torch_internals import (
+    at_backward_end,
+    children_table,
+    clear_dtensor_caches,
+    flatten_mesh,
+    replicate,
+    strided_shard,
+    style_input_fn,
+    style_output_fn,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_map_only,
+    tree_unflatten,
+    unscale_and_check_,
+    version,
+)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A 1-D mesh over a one-rank gloo world in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
+    dist.destroy_process_group()
+    clear_dtensor_caches()
+
+
+# ----- pytree -----
+
+def test_pytree_flattens_and_rebuilds_nested_outputs():
+    tree = {"a": (torch.ones(1), 2), "b": [torch.zeros(2), None]}
+    leaves, spec = tree_flatten(tree)
+    assert [type(leaf) for leaf in leaves] == [torch.Tensor, int, torch.Tensor, type(None)]
+    assert tree_unflatten(leaves, spec).keys() == tree.keys()
+    assert tree_map(lambda x: 3, tree) == {"a": (3, 3), "b": [3, 3]}
+    assert len(tree_leaves(tree)) == 4
+    assert tree_map_only(torch.Tensor, lambda t: t.sum().item(), tree) == {"a": (1.0, 2), "b": [0.0, None]}
+
+
+def test_pytree_knows_hugging_face_model_outputs():
+    """A pipeline's last stage sends a ModelOutput's tensors and rebuilds it (transformers registers it)."""
+    output = CausalLMOutputWithPast(loss=torch.tensor(1.0), logits=torch.ones(2))
+    leaves, spec = tree_flatten(output)
+    assert len(leaves) == 2
+    assert isinstance(tree_unflatten(leaves, spec), CausalLMOutputWithPast)
+
+
+# ----- autograd -----
+
+def test_at_backward_end_runs_once_after_every_gradient():
+    """ZeRO-1's gradient buckets close a round from the first gradient hook of a backward pass."""
+    first, second = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    seen = []
+    first.register_post_accumulate_grad_hook(
+        lambda p: at_backward_end(lambda: seen.append(first.grad is not None and second.grad is not None)))
+    (first * 2 + second * 3).sum().backward()
+    assert seen == [True]
+    (first * 2 + second * 3).sum().backward()
+    assert seen == [True, True]
+
+
+def test_version_counts_in_place_writes_of_a_tensor_and_its_views():
+    t = torch.zeros(4)
+    before = version(t)
+    t.add_(1)
+    t[:2].mul_(2)
+    assert version(t) == before + 2
+    _ = t * 2
+    assert version(t) == before + 2
+    model = nn.Linear(2, 2)
+    before = version(model.weight)
+    model.load_state_dict(nn.Linear(2, 2).state_dict())
+    assert version(model.weight) > before
+
+
+def test_version_of_a_dtensor_counts_writes_through_it_not_its_local_tensor(mesh):
+    """A write through a DTensor (load_state_dict into a tensor-parallel parameter) bumps the DTensor's
+    counter only: a check for changes must read the parameter's own counter, not its local tensor's."""
+    param = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Replicate()]))
+    before, local_before = version(param), version(param.to_local())
+    with torch.no_grad():
+        param.copy_(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+    assert version(param) == before + 1
+    assert version(param.to_local()) == local_before
+    assert param.to_local().eq(1).all()
+
+
+# ----- DTensor and DeviceMesh -----
+
+def _flattened() -> dict:
+    world = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("a", "b", "c"))
+    flat = flatten_mesh(world["a", "b"], "ab")
+    return {"names": flat.mesh_dim_names, "shape": tuple(flat.shape), "ranks": flat.mesh.tolist(),
+            "group_size": dist.get_world_size(flat.get_group()),
+            "inner": tuple(flatten_mesh(world["b", "c"], "bc").shape)}
+
+
+def test_flatten_mesh_gives_one_axis_over_the_product_of_the_axes():
+    for got in run_distributed(_flattened, 2):
+        assert got == {"names": ("ab",), "shape": (2,), "ranks": [0, 1], "group_size": 2, "inner": (1,)}
+
+
+def _strided_local() -> dict:
+    mesh = init_device_mesh("cpu", (2,))
+    packed = torch.arange(12.0).reshape(2, 6)  # three chunks of two columns side by side (Q, K, V)
+    shard = distribute_tensor(packed, mesh, [strided_shard(1, 3)])
+    return {"local": shard.to_local()[0].tolist(), "whole": bool(shard.full_tensor().equal(packed))}
+
+
+def test_strided_shard_cuts_each_chunk_and_reassembles_in_order():
+    assert run_distributed(_strided_local, 2) == [{"local": [0.0, 2.0, 4.0], "whole": True},
+                                                  {"local": [1.0, 3.0, 5.0], "whole": True}]
+
+
+def test_strided_shard_is_a_sharding_placement_that_is_no_plain_shard():
+    """Clipping counts every placement but Replicate as sharded; a strided shard is neither Shard nor Replicate."""
+    placement = strided_shard(1, 3)
+    assert not isinstance(placement, Shard)
+    assert not placement.is_replicate() and not placement.is_partial()
+    assert (placement.dim, placement.split_factor) == (1, 3)
+
+
+def test_clear_dtensor_caches_empties_them_and_dtensor_still_works(mesh):
+    from torch.distributed.tensor import _redistribute
+
+    t = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])
+    assert (t + 1).redistribute(mesh, [Shard(0)]).placements == (Shard(0),)
+    clear_dtensor_caches()
+    assert _redistribute._gen_transform_infos.cache_info().currsize == 0
+    assert (t + 1).redistribute(mesh, [Shard(0)]).to_local().eq(2).all()
+
+
+# ----- tensor-parallel styles -----
+
+def test_parallel_style_apply_is_the_hook_parallelize_module_calls(mesh):
+    assert getattr(ParallelStyle._apply, "__isabstractmethod__", False)
+    applied = []
+
+    class Recording(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            applied.append((module, device_mesh))
+            return module
+
+    module = nn.Linear(2, 2)
+    parallelize_module(module, mesh, Recording())
+    assert applied == [(module, mesh)]
+
+
+def test_style_hooks_turn_inputs_into_dtensors_and_outputs_back(mesh):
+    colwise, rowwise, module = ColwiseParallel(), RowwiseParallel(), nn.Linear(4, 4)
+    rowwise.desired_input_layouts = (Shard(-1),)  # torch's _apply sets it per module, as styles.Rowwise does
+    x = torch.ones(2, 4)
+    into_col = style_input_fn(colwise)(module, (x,), mesh)
+    into_row = style_input_fn(rowwise)(module, (x,), mesh)
+    assert isinstance(into_col, DTensor) and into_col.placements == (Replicate(),)
+    assert isinstance(into_row, DTensor) and into_row.placements == (Shard(1),)  # the last dim of 2
+    out = style_output_fn(colwise)(module, DTensor.from_local(x, mesh, [Shard(-1)]), mesh)
+    assert type(out) is torch.Tensor and out.equal(x)
+
+
+# ----- FSDP2 and the gradient scaler -----
+
+def test_replicate_wraps_a_module_with_replicated_dtensor_parameters(mesh):
+    assert {"mesh", "mp_policy"} <= set(inspect.signature(replicate).parameters)
+    model = replicate(nn.Linear(2, 2), mesh=mesh)
+    assert isinstance(model, FSDPModule)
+    assert all(isinstance(p, DTensor) and p.placements == (Replicate(),) for p in model.parameters())
+    model.set_requires_gradient_sync(True)
+    model(torch.ones(3, 2)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_unscale_and_check_scales_in_place_and_flags_non_finite_values():
+    grads, found = [torch.tensor([2.0, 4.0])], torch.zeros(1)
+    unscale_and_check_(grads, found, torch.tensor(0.5))
+    assert grads[0].tolist() == [1.0, 2.0] and found.item() == 0
+    unscale_and_check_([torch.tensor([float("inf")])], found, torch.tensor(0.5))
+    assert found.item() == 1
+
+
+def test_sharded_grad_scaler_unscales_through_its_overridable_hook(mesh):
+    """precision.LossScaler overrides `_unscale_grads_` and reads `_scale`."""
+    assert list(inspect.signature(ShardedGradScaler._unscale_grads_).parameters) == [
+        "self", "optimizer", "inv_scale", "found_inf", "allow_fp16"]
+    calls = []
+
+    class Recording(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+            calls.append(self._scale.device)
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = Recording(device="cpu", process_group=dist.group.WORLD)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(optimizer)
+    assert calls == [torch.device("cpu")]
+
+
+# ----- pipelining -----
+
+def _v_schedule(stage_class: type, train: bool) -> None:
+    """Two stages on this one rank, V-shaped: the gradient hand-over between them stays on the rank."""
+    stages = [stage_class(nn.Linear(4, 4), i, 2, torch.device("cpu"), group=dist.group.WORLD) for i in range(2)]
+    schedule = ScheduleZBVZeroBubble(stages, 2, loss_fn=lambda output, target: output.sum(), scale_grads=False)
+    if train:
+        schedule.step(torch.ones(2, 4), target=torch.zeros(2), return_outputs=False)
+    else:
+        with torch.no_grad():
+            schedule.eval(torch.ones(2, 4), target=torch.zeros(2), return_outputs=False)
+
+
+def test_pipeline_stage_members_the_eval_safe_stage_overrides(mesh):
+    """The V-shaped schedule calls exactly the members EvalSafeStage overrides; torch's own stage still
+    asserts a backward pass in evaluation (when it stops, EvalSafeStage can go)."""
+    for name in ("get_local_bwd_output", "set_local_bwd_input"):
+        assert callable(getattr(PipelineStage, name))
+    assert isinstance(inspect.getattr_static(PipelineStage, "has_backward"), property)
+    with pytest.raises(AssertionError, match="doesn't have backward"):
+        _v_schedule(PipelineStage, train=False)
+    _v_schedule(EvalSafeStage, train=False)
+    _v_schedule(EvalSafeStage, train=True)
+
+
+# ----- nn.Module -----
+
+def test_children_table_edits_a_module_list_without_renumbering():
+    blocks = nn.ModuleList(nn.Linear(1, 1) for _ in range(4))
+    children = children_table(blocks)
+    assert any(value is children for value in vars(blocks).values())  # what a shallow fork copies
+    del children["1"]
+    children["3"] = nn.Identity()
+    assert [name for name, _ in blocks.named_children()] == ["0", "2", "3"]
+    assert [name.split(".")[0] for name, _ in blocks.named_parameters()] == ["0", "0", "2", "2"]
+
+
+# ----- tests and bench only -----
+
+def test_mem_tracker_counts_parameters_and_gradients_by_category():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = nn.Linear(4, 4)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(torch.ones(2, 4)).sum().backward()
+    by_category = tracker.get_tracker_snapshot()[torch.device("cpu")]
+    assert by_category["Parameter"] == by_category["Gradient"] == 20 * 4  # 16 weights and 4 biases, fp32
+    assert tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] > 0
+
+
+def test_torch_dispatch_mode_sees_every_aten_call():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recording() as recording:
+        torch.ones(2).add_(1)
+    assert torch.ops.aten.add_.Tensor in recording.ops
