@@ -122,3 +122,13 @@ def test_unsupported_family_in_config_json(tmp_path):
 
 def test_every_preset_resolves():
     assert all(resolve_model(name).parameters > 0 for name in [*MODEL_PRESETS, *DEFAULTS])
+
+
+def test_one_registry_of_families_serves_the_planner_and_tensor_parallelism():
+    """An alias such as Mistral reads as the same family in both, from shardwise/families.py."""
+    from shardwise.families import ALIASES, FAMILIES
+    from shardwise.parallel.tensor.registry import _BUILDERS
+    from shardwise.planner.families import BUILDERS
+
+    assert set(BUILDERS) == set(_BUILDERS) == set(FAMILIES)
+    assert ALIASES == {"mistral": "llama"}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+from ..families import ALIASES
+from ..families import family_of as registered_family
 from .errors import PlanError, unknown
 from .spec import ModelSpec
 
@@ -33,8 +35,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
             "attention_probs_dropout_prob": 0.0, "image_size": 224, "patch_size": 16,
             "num_channels": 3, "qkv_bias": True, "num_labels": 2},
 }
-# model_type values read as one of the families above (same module layout).
-ALIASES = {"mistral": "llama"}
 
 
 def _linear(fan_in: int, fan_out: int, bias: bool = True) -> tuple[int, ...]:
@@ -123,7 +123,7 @@ BUILDERS: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
 def family_of(config: Mapping[str, Any], source: str) -> str:
     """The supported family a Hugging Face config belongs to, from its `model_type`."""
     model_type = str(config.get("model_type", ""))
-    family = ALIASES.get(model_type, model_type)
+    family = registered_family(model_type)
     if family not in BUILDERS:
         shown = repr(model_type) if model_type else "no model_type"
         raise PlanError(f"{source}: {shown} is not a supported family; the planner reads "

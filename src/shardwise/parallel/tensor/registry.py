@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
+from ...families import MODEL_TYPES, family_of
 from .plan import SequencePlan, TensorParallelPlan
 
 
@@ -116,19 +117,18 @@ def _vit(model: nn.Module, c) -> TensorParallelPlan:
         sequence=SequencePlan(f"{p}layers.*", (f"{p}layers.*.layernorm_before", f"{p}layers.*.layernorm_after")))
 
 
-_BUILDERS: dict[str, Callable[[nn.Module, object], TensorParallelPlan]] = {
+_BUILDERS: dict[str, Callable[[nn.Module, object], TensorParallelPlan]] = {  # by family (shardwise/families.py)
     "gpt2": _gpt2,
     "llama": _llama,
-    "mistral": _llama,
     "bert": _bert,
     "vit": _vit,
 }
 
-BUILTIN_MODEL_TYPES = tuple(_BUILDERS)
+BUILTIN_MODEL_TYPES = MODEL_TYPES
 
 
 def builtin_plan(model: nn.Module) -> Optional[TensorParallelPlan]:
     """The built-in plan for a supported Hugging Face model, else None."""
     config = getattr(model, "config", None)
-    builder = _BUILDERS.get(getattr(config, "model_type", None))
+    builder = _BUILDERS.get(family_of(getattr(config, "model_type", None)))
     return builder(model, config) if builder else None
