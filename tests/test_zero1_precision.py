@@ -543,3 +543,27 @@ def test_state_dict_resume_loaded_weights_and_errors():
     for result in run_distributed(resume_and_errors, WORLD, timeout=300):
         assert result["rewound"] == 0
         assert result["to_loaded"] < 0.1 * result["to_replaced"], "the old masters overwrote the loaded weights"
+
+
+def halve_then_step(config: dict) -> dict:
+    """After a step, halve every weight in place through the parameters (DTensors under tensor parallelism),
+    then step again: how far the result lies from the halved weights and from the unhalved ones."""
+    loop = SeedLoop(config)
+    loop.step(0)
+    before = loop.weights()
+    with torch.no_grad():
+        for param in loop.model.parameters():
+            param.mul_(0.5)
+    halved = loop.weights()
+    loop.step(1)
+    moved = loop.weights()
+    return {"to_halved": _distance(moved, halved), "to_before": _distance(moved, before)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_weights_changed_after_the_optimizer_exists_are_where_the_next_step_starts(tp):
+    """The fp32 masters adopt weights written outside the optimizer. A write through a tensor-parallel DTensor
+    counts on the DTensor's own version counter, not its local tensor's: the masters must ask the parameter."""
+    config = {"shard_optimizer_state": True, "bf16": True, "tensor_parallel_degree": tp}
+    for result in run_distributed(halve_then_step, WORLD, config, timeout=300):
+        assert result["to_halved"] < 0.1 * result["to_before"], "the old masters overwrote the changed weights"

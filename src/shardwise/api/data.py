@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .. import torch_internals as pytree
 from ..runtime import ranks
 from ..runtime.state import current
 

@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils import _pytree as pytree
 
+from .. import torch_internals as pytree
 from ..runtime.state import current
 
 

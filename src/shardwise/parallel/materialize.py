@@ -57,13 +57,14 @@ def materialize(module: nn.Module, device: torch.device, seed: int, root: Option
     prefix = next(name for name, sub in root.named_modules(remove_duplicate=False) if sub is module)
     made: dict[int, torch.Tensor] = {}
     for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for key, t in table.items():
-                if t is not None and t.is_meta:
-                    if id(t) not in made:
-                        empty = torch.empty_like(t, device=device)
-                        made[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-                    table[key] = made[id(t)]
+        own = [*sub.named_parameters(recurse=False, remove_duplicate=False),
+               *sub.named_buffers(recurse=False, remove_duplicate=False)]
+        for key, t in own:
+            if t.is_meta:
+                if id(t) not in made:
+                    empty = torch.empty_like(t, device=device)
+                    made[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                setattr(sub, key, made[id(t)])  # a buffer stays persistent or not, as registered
     fresh = {id(t) for t in made.values()}
     done: set[int] = set()
     devices = [device] if device.type != "cpu" else []
@@ -71,8 +72,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int, root: Option
         for name, sub in _post_order(module, prefix):
             if not any(id(t) in fresh for t in list(sub.parameters()) + list(sub.buffers())):
                 continue  # real values the user gave: keep them
-            own = [id(t) for t in list(sub._parameters.values()) + list(sub._buffers.values())
-                   if t is not None and id(t) in fresh]
+            own = [id(t) for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)] if id(t) in fresh]
             if own and all(i in done for i in own):
                 continue  # a tied weight its first module already initialised
             init = _initialiser(_ancestors(root, name), sub)

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.utils._pytree import tree_map_only
 
 from ..config.schema import ShardwiseConfig
+from ..torch_internals import tree_map_only, unscale_and_check_
 from .local import local_tensor
 
 
@@ -90,7 +90,7 @@ class LossScaler(ShardedGradScaler):
         with torch.no_grad():
             for (device, _), tensors in grads.items():
                 flag = found.setdefault(device, found_inf.to(device, copy=True))
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale.to(device))
+                unscale_and_check_(tensors, flag, inv_scale.to(device))
         return found or {self._scale.device: found_inf.to(self._scale.device, copy=True)}
 
 

@@ -13,13 +13,13 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..runtime.mesh import ParallelMesh
 from ..topology.decisions import Wrapping
+from ..torch_internals import replicate
 from . import precision
 from .strategy import Strategy
 from .wrap import sharding_units

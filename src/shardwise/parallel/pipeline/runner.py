@@ -14,9 +14,9 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ...runtime.state import current
+from ...torch_internals import tree_map
 from ..clipping import clip_grad_norm_
 from ..strategy import Pieces, Strategy
 from ..tensor import loss_context

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import shares
+from ...torch_internals import at_backward_end
 from ..local import local_tensor
+from . import shares
 
 # Called on the owner with a bucket's parameters, their gradients averaged over the replicas (fp32, flat
 # pieces) and how many replicas had each one (a tensor on the device: reading it would wait for the device).
@@ -90,7 +91,7 @@ class GradientBuckets:
     @torch.no_grad()
     def _gradient_accumulated(self, param: nn.Parameter) -> None:
         if self.passes is None and not self._round_open:
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_round)
+            at_backward_end(self.end_round)
         self._round_open = True
         self._passes_seen[param] += 1
         if self._passes_seen[param] != (self.passes or 1):

@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ...torch_internals import version
 from ..clipping import clip_grad_norm_
-from .gradient_buckets import GradientBuckets
 from ..local import local_tensor
+from .gradient_buckets import GradientBuckets
 from .optimizer_state import OptimizerStateSharding
 
 
@@ -69,7 +70,7 @@ class MasterWeights:
         return master
 
     def _current_versions(self) -> dict[nn.Parameter, int]:
-        return {p: local_tensor(p)._version for p in self.masters}
+        return {p: version(p) for p in self.masters}  # the DTensor's own: writes through it bump only that one
 
     @torch.no_grad()
     def _accumulate(self, params: list[nn.Parameter], grads: list[torch.Tensor], replicas: torch.Tensor) -> None:

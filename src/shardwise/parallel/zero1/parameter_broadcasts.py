@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import shares
 from ..local import local_tensor
+from . import shares
 
 
 def _forward_order(called: nn.Module, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
@@ -40,7 +40,7 @@ def _forward_order(called: nn.Module, params: Iterable[nn.Parameter]) -> list[nn
     wanted = dict.fromkeys(params)
     order: dict[nn.Parameter, None] = {}
     for module in called.modules():
-        order.update((p, None) for p in module._parameters.values() if p in wanted)
+        order.update((p, None) for p in module.parameters(recurse=False) if p in wanted)
     return list(order) + [p for p in wanted if p not in order]
 
 
@@ -65,7 +65,7 @@ class ParameterBroadcasts:
     def _install(self, called: nn.Module) -> None:
         bucket_of = {p: index for index, bucket in enumerate(self.buckets) for p in bucket}
         for module in called.modules():
-            needed = tuple(sorted({bucket_of[p] for p in module._parameters.values() if p in bucket_of}))
+            needed = tuple(sorted({bucket_of[p] for p in module.parameters(recurse=False) if p in bucket_of}))
             if needed:
                 module.register_forward_pre_hook(functools.partial(self._before_forward, needed))
 
