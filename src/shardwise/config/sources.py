@@ -18,6 +18,9 @@ from .errors import ConfigError, Problem
 
 ConfigSource = Union[None, str, os.PathLike, Mapping[str, Any]]
 
+# Set by `shardwise run` for every rank: the path of the validated config it was given.
+CONFIG_ENV = "SHARDWISE_CONFIG"
+
 # The SageMaker estimator nests the same keys under this path; accept it as is.
 _SAGEMAKER_PATH = ("smdistributed", "modelparallel", "parameters")
 

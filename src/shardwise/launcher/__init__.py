@@ -7,9 +7,10 @@ hostfiles), `rundir` (run directory and per-rank log layout), `failure` (failure
 `runner` (the launch itself).
 """
 
+from ..config.sources import CONFIG_ENV
 from .errors import LaunchError
 from .hostfile import Host, parse_hostfile_text, read_hostfile
-from .rundir import CONFIG_ENV, RUN_DIR_ENV, RunDir
+from .rundir import RUN_DIR_ENV, RunDir
 from .runner import launch
 from .spec import LaunchSpec, default_nproc_per_node, resolve
 

@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Std
 
-CONFIG_ENV = "SHARDWISE_CONFIG"
 RUN_DIR_ENV = "SHARDWISE_RUN_DIR"
 
 

@@ -12,10 +12,11 @@ import sys
 import time
 from typing import Any, Iterator, Mapping, Optional, TextIO
 
+from ..config.sources import CONFIG_ENV
 from ..topology.layout import validate
 from ..topology.describe import describe_layout
 from .failure import format_failure, rank_failures
-from .rundir import CONFIG_ENV, RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
+from .rundir import RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
 from .spec import LaunchSpec, entrypoint, launch_config, rendezvous
 
 # torch's agent logs restarts, SIGTERMs and its own ChildFailedError report; they go to

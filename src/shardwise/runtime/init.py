@@ -11,15 +11,13 @@ import torch.distributed as dist
 
 from ..config import IneffectiveSettingsWarning, Problem, ShardwiseConfig, ineffective_settings, load_dict, merge_sources
 from ..config.effects import notice_of
+from ..config.sources import CONFIG_ENV
 from ..topology import Cluster
 from ..topology.layout import validate
 from . import state
 from .agreement import check_same_config
 from .devices import backend_for, local_device
 from .mesh import ParallelMesh, forget_cached_meshes
-
-# Set by `shardwise run` for every rank: the path of the validated config it was given.
-CONFIG_ENV = "SHARDWISE_CONFIG"
 
 ConfigLike = Union[None, str, os.PathLike, Mapping[str, Any], ShardwiseConfig]
 
