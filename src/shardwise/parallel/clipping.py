@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .local import local_tensor
+
 
 def _without_partial(grad: torch.Tensor) -> torch.Tensor:
     if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
@@ -26,7 +28,7 @@ def _without_partial(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _local_square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = [local_tensor(g) for g in grads]
     return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in local]).sum()
 
 

@@ -17,12 +17,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...topology import Layout
+from ..local import local_tensor
 from ..tensor.rules import tied_parameters
 from .partition import Partition
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def stage_of(part: Partition, name: str) -> int:
@@ -96,9 +93,9 @@ class TiedWeights:
             if not copies:
                 continue
             if group.group is not None:
-                dist.broadcast(_local(copies[0]), src=group.source, group=group.group)
+                dist.broadcast(local_tensor(copies[0]), src=group.source, group=group.group)
             for copy in copies[1:]:
-                _local(copy).copy_(_local(copies[0]))
+                local_tensor(copy).copy_(local_tensor(copies[0]))
 
     @torch.no_grad()
     def sum_grads(self) -> None:
@@ -113,13 +110,13 @@ class TiedWeights:
                 elif isinstance(copy.grad, DTensor) and copy.grad.placements != copy.placements:
                     # e.g. a vocabulary-parallel embedding's gradient comes back replicated
                     copy.grad = copy.grad.redistribute(copy.device_mesh, copy.placements)
-            total = _local(copies[0].grad).clone()
+            total = local_tensor(copies[0].grad).clone()
             for copy in copies[1:]:
-                total += _local(copy.grad)
+                total += local_tensor(copy.grad)
             if group.group is not None:
                 dist.all_reduce(total, group=group.group)
             for copy in copies:
-                _local(copy.grad).copy_(total)
+                local_tensor(copy.grad).copy_(total)
 
     def held(self) -> set[int]:
         """ids of every copy on this rank (`sum_grads` rewrites their gradients)."""
