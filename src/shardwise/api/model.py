@@ -137,3 +137,9 @@ class DistributedModel(nn.Module):
         """Every parameter and buffer as a whole tensor on every rank, named as in the user's module."""
         self.wait_for_parameters()
         return self._strategy.full_state_dict()
+
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load whole tensors (a `full_state_dict()`, or a plain PyTorch state dict of the user's module), the
+        same on every rank, into this rank's shards and stages; `strict` as in `load_state_dict`."""
+        self.wait_for_parameters()
+        self._strategy.load_full_state_dict(state, strict)

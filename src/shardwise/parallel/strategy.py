@@ -4,17 +4,17 @@
 sharded, `sharding.py`) or a pipeline with either per stage (`pipeline/runner.py`);
 ZeRO-1 is the optimizer side of a replicated one (`zero1/`). `DistributedModel`,
 `DistributedOptimizer` and `@step` call only what is here: run a step's
-microbatches, control gradient sync per microbatch, clip, gather whole tensors,
-bind an optimizer, wait for parameter updates in flight.
+microbatches, control gradient sync per microbatch, clip, gather whole tensors
+and load them back, bind an optimizer, wait for parameter updates in flight.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from .clipping import clip_grad_norm_
 from .precision import in_fp32
@@ -111,6 +111,15 @@ class Strategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer as a whole tensor, named as in the user's module."""
         return get_model_state_dict(self.inner, options=StateDictOptions(full_state_dict=True))
+
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load whole tensors, as `full_state_dict` gives them on every rank, into this rank's pieces."""
+        set_model_state_dict(self.inner, self.held(state),
+                             options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    def held(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of a whole-model state dict that this rank holds (all but under a pipeline)."""
+        return dict(state)
 
     def bind(self, optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler],
              device: torch.device) -> OptimizerUpdate:

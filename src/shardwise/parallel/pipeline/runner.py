@@ -9,7 +9,7 @@ reductions add up to the same gradients as one reduction at the end.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -123,6 +123,11 @@ class PipelineParallel(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on every rank: this rank's stages joined with every other stage's."""
         return self.gather_stages(super().full_state_dict())
+
+    def held(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's stages' entries (names as in the unsplit model)."""
+        mine = self.inner.state_dict().keys()
+        return {name: value for name, value in state.items() if name in mine}
 
     @torch.no_grad()
     def gather_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
