@@ -113,7 +113,7 @@ def _setup(kind: str, tp: int, prescaled: bool, vocab: int, fsdp: bool, bf16: bo
     model = copy.deepcopy(reference)
     config = parse_config({"tensor_parallel_degree": tp, "prescaled_batch": prescaled, "bf16": bf16,
                            "sequence_parallel": sequence})
-    apply_tensor_parallel(model, mesh["tp"], config, USER_PLANS.get(kind))
+    apply_tensor_parallel(model, mesh["tp"], USER_PLANS.get(kind), sequence_parallel=config.sequence_parallel)
     if fsdp:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
         for block in (model.transformer.h if kind == "gpt2" else model.model.layers):

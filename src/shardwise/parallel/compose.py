@@ -54,7 +54,7 @@ def split_part(module: nn.Module, callees: list[nn.Module], mesh: ParallelMesh, 
     """Tensor parallelism over `module` (placed, equal on every rank); each of `callees`, the modules the
     step calls, gathers or splits the batch inside the tensor-parallel group."""
     if config.tensor_parallel_degree > 1:
-        apply_tensor_parallel(module, mesh["tp"], config, tp_plan)
+        apply_tensor_parallel(module, mesh["tp"], tp_plan, sequence_parallel=config.sequence_parallel)
         for callee in callees:
             TensorParallelBatch(mesh["tp"], config.prescaled_batch).install(callee)
 

@@ -1,6 +1,6 @@
 """Tensor parallelism: split attention heads, MLPs and the vocabulary over the `tp` mesh axis.
 
-    model = apply_tensor_parallel(model, mesh["tp"], config)   # before FSDP/DDP
+    model = apply_tensor_parallel(model, mesh["tp"], plan, sequence_parallel=...)   # before FSDP/DDP
     batch = TensorParallelBatch(mesh["tp"], config.prescaled_batch)
     with loss_context(model):
         args, kwargs = batch.gather(args, kwargs)

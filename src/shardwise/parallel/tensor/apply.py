@@ -18,11 +18,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ...config.errors import ConfigError, Problem
-from ...config.schema import ShardwiseConfig
 from .loss import VOCAB_SHARDED_OUTPUT
 from .plan import PLAN_KEY, TensorParallelPlan, assignments, resolve
 from .registry import BUILTIN_MODEL_TYPES, builtin_plan
-from .rules import TP_KEY, check_tensor_parallel, tied_parameters
+from .rules import check_tensor_parallel, tied_parameters
 from .sequence import shard_sequence
 from .styles import StyleSpec, make_style
 
@@ -47,8 +46,8 @@ def plan_for(model: nn.Module, plan: PlanLike = None) -> TensorParallelPlan:
     return found
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, config: ShardwiseConfig,
-                          plan: PlanLike = None, *, loss_parallel: bool = True) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike = None, *,
+                          sequence_parallel: bool = False, loss_parallel: bool = True) -> nn.Module:
     """Split `model` in place over the 1-D `tp_mesh` and return it.
 
     Call it before data-parallel sharding (FSDP2 composes over the other axes) and
@@ -58,10 +57,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, config: Shardwi
     be consumed under `loss_context(model)`; otherwise the head gathers full logits.
     """
     tp = tp_mesh.size()
-    if tp != config.tensor_parallel_degree:
-        raise ConfigError([Problem(TP_KEY, config.tensor_parallel_degree,
-                                   f"must equal the size of the tp mesh axis ({tp})",
-                                   "build the tp axis from the same config")])
     if tp == 1:
         return model
     plan = plan_for(model, plan)
@@ -70,7 +65,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, config: Shardwi
     entries = assignments(model, plan)
     tied = tied_parameters(model)
     styles = {path: make_style(entry.spec, loss_parallel=loss_parallel) for path, entry in entries.items()}
-    if config.sequence_parallel:
+    if sequence_parallel:
         styles = shard_sequence(model, tp_mesh, plan, entries, styles)
     parallelize_module(model, tp_mesh, styles)
     _retie(model, tied)
