@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config.schema import ShardwiseConfig
 from ..runtime.mesh import ParallelMesh
-from ..topology.decisions import PrecisionMode, Wrapping, precision_mode, shards_optimizer_state, wrapping
+from ..topology.decisions import PrecisionMode, precision_mode, shards_optimizer_state, wrapping
 from . import precision
 from .materialize import has_meta, mesh_device, place, unit_materialiser
 from .pipeline import apply_pipeline
@@ -74,7 +74,7 @@ def wrap_part(part: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, resh
     if mode is PrecisionMode.AUTOCAST:
         device = mesh_device(mesh)
         strategy.autocast = lambda: precision.autocast(dtype, device)
-    if how is not Wrapping.SHARDED and shards_optimizer_state(config, mesh.layout):
+    if shards_optimizer_state(config, mesh.layout):  # ZeRO-1: never with sharding
         strategy.binding = _zero1(mesh, config)
     return strategy
 
