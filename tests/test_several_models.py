@@ -12,6 +12,9 @@ shardwise: losses per step and every parameter of every model within 1e-5.
   the generator.
 - Distillation: a GPT-2 teacher, frozen, under the same layout (sharded under
   ZeRO-3 and MiCS), and a GPT-2 student trained on the teacher's soft targets.
+
+Two pipelined models train side by side, each in a @step of its own; one @step
+cannot take a pipelined model and another (a one-line error).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.testing import DistributedTestError, run_distributed
-from tiny_models import build, dataset, relative_error
+from tiny_models import build, dataset, relative_error, seed_step, train_reference
 
 WORLD, ROWS, STEPS, NOISE, WIDTH = 4, 2, 3, 8, 16
 CLIP = 0.5
@@ -261,3 +264,27 @@ def test_a_pipelined_model_takes_a_step_of_its_own():
     assert run_distributed(pipelined_with_another, 2)[0] == (
         "a pipelined DistributedModel runs a whole @step through its schedule, so the step takes no other "
         "DistributedModel; give each model a @step function of its own")
+
+
+def two_pipelines() -> dict:
+    """Two pipelined GPT-2s built alike, each with its own optimizer and @step, trained alternately."""
+    sw.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    models = [sw.DistributedModel(build("gpt2", freeze_key_bias=True)) for _ in range(2)]
+    optimizers = [sw.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) for m in models]
+    train_step = seed_step("gpt2")
+    losses: dict[int, list] = {0: [], 1: []}
+    for ids, targets in sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS, shuffle=False):
+        for index, (model, opt) in enumerate(zip(models, optimizers)):
+            opt.zero_grad()
+            out = train_step(model, ids, targets)
+            opt.step()
+            losses[index].append(out.reduce_mean().item() if out.holds_loss else None)
+    return losses
+
+
+def test_two_pipelined_models_train_side_by_side_in_steps_of_their_own():
+    want = train_reference("gpt2", "sgd", STEPS, ROWS * 2)["losses"]   # 2 replicas of 2 stages
+    held = [r for r in run_distributed(two_pipelines, WORLD, timeout=300) if r[0][0] is not None]
+    for index in (0, 1):
+        got = torch.tensor([r[index] for r in held]).mean(0)
+        torch.testing.assert_close(got, torch.tensor(want), rtol=1e-5, atol=0)
