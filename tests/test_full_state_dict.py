@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import shardwise as sw
 from shardwise.testing import run_distributed

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.testing import DistributedTestError, run_distributed
+from shardwise.testing import run_distributed
 from tiny_models import build, dataset, relative_error, seed_step, train_reference
 
 WORLD, ROWS, STEPS, NOISE, WIDTH = 4, 2, 3, 8, 16
