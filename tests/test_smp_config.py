@@ -229,6 +229,14 @@ def test_init_and_the_launcher_agree_on_a_boolean_written_two_ways():
         "value: drop it from init() or from the `shardwise run` config, or make them equal"]
 
 
+
+def test_a_conflict_on_a_key_without_effect_keeps_the_launchers_value_and_says_so():
+    """SMP's estimator overrode the script's init(); where the key changes nothing here, so does shardwise."""
+    with pytest.warns(IneffectiveSettingsWarning, match=r"differ on skip_tracing \(False vs True\)"):
+        merged, conflicts = merge_sources({"skip_tracing": False, "ddp": True}, {"skip_tracing": True},
+                                          "run/config.json")
+    assert conflicts == [] and merged == {"skip_tracing": True, "ddp": True}
+
 # --- the estimator's distribution dict ------------------------------------------------------------------------
 
 def distribution(parameters, enabled=True, **mpi) -> dict:

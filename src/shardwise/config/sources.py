@@ -20,11 +20,16 @@ from .distribution import Distribution, is_distribution, parse_distribution
 from .effects import IneffectiveSettingsWarning, notice_of
 from .errors import ConfigError, Problem
 from .smp_forms import smp_value
+from .smp_only import SmpOnlySettings
 
 ConfigSource = Union[None, str, os.PathLike, Mapping[str, Any]]
 
 # Set by `shardwise run` for every rank: the path of the validated config it was given.
 CONFIG_ENV = "SHARDWISE_CONFIG"
+
+# Keys whose value changes nothing in shardwise, whatever it is (see smp_only.py): a conflict on them is a note.
+WITHOUT_EFFECT = frozenset({"skip_tracing", *SmpOnlySettings.model_fields,
+                            *(f.alias for f in SmpOnlySettings.model_fields.values() if f.alias)})
 
 
 def read_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
@@ -97,10 +102,19 @@ def merge_sources(given: Mapping[str, Any], launched: Mapping[str, Any],
                   where: str) -> tuple[dict[str, Any], list[Problem]]:
     """`init`'s own config over the launcher's (file `where`): keys either one sets are taken from it,
     equal values agree (also when one writes SMP's 0/1 or "true" for a boolean), and a key set to different
-    values is a problem, never a silent winner."""
-    conflicts = [Problem(key, value, f"init() passes {value!r} but the launcher's config ({where}) sets "
+    values is a problem, never a silent winner. A key that changes nothing here either way (`skip_tracing`,
+    SMP's internal and TensorFlow keys) cannot make training wrong: the launcher's value is kept, as SMP's
+    estimator overrode the script, and rank 0 names the difference once."""
+    differing = [key for key, value in given.items()
+                 if key in launched and smp_value(key, launched[key]) != smp_value(key, value)]
+    conflicts = [Problem(key, given[key], f"init() passes {given[key]!r} but the launcher's config ({where}) sets "
                          f"{launched[key]!r}", "give the key one value: drop it from init() or from the "
                          "`shardwise run` config, or make them equal")
-                 for key, value in given.items()
-                 if key in launched and smp_value(key, launched[key]) != smp_value(key, value)]
-    return {**launched, **given}, conflicts
+                 for key in differing if key not in WITHOUT_EFFECT]
+    overridden = [key for key in differing if key in WITHOUT_EFFECT]
+    if overridden and os.environ.get("RANK", "0") == "0":
+        warnings.warn("init() and the launcher's config (" + where + ") differ on " + ", ".join(
+            f"{key} ({given[key]!r} vs {launched[key]!r})" for key in overridden) + ", which change nothing "
+            "here; the launcher's values are kept; fix: make them equal to silence this", IneffectiveSettingsWarning,
+            stacklevel=3)
+    return {**launched, **{k: v for k, v in given.items() if k not in overridden}}, conflicts

@@ -76,7 +76,8 @@ def init(config: ConfigLike = None) -> ShardwiseConfig:
 
     With no argument, takes the config `shardwise run` was given, else the defaults (pure
     data parallelism). A config given here under `shardwise run` is merged with the
-    launcher's: keys only one sets come from it, and a key they set differently is an error.
+    launcher's: keys only one sets come from it, and a key they set differently is an error
+    (a note, keeping the launcher's value, for a key that changes nothing here).
     Every problem, the layout's included, is raised before the process group starts.
     Works in one process with no launcher.
     """
