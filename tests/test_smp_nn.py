@@ -24,6 +24,7 @@ from shardwise.nn import (DistributedAttentionLayer, DistributedEmbedding, Distr
                           DistributedTransformerLayer, DistributedTransformerLMHead, DistributedTransformerOutputLayer,
                           FlashAttentionLayer, FusedLayerNorm)
 from shardwise.nn.huggingface import bert, gpt2, gptj, gptneo, roberta
+from shardwise.parallel.tensor import replace_registered
 from shardwise.parallel.tensor import apply_tensor_parallel, full_state_dict, is_distributed_parameter, loss_context
 from shardwise.runtime.devices import local_device
 from shardwise.testing import run_distributed
@@ -200,7 +201,7 @@ def _gpt2_head(**options) -> DistributedTransformerLMHead:
 
 def test_lm_head_translates_into_hugging_face_gpt2():
     """A GPT-2-shaped LMHead's state dict, translated, loads strictly into GPT2LMHeadModel and gives its logits
-    and loss; Hugging Face's own keys pass through, and the other direction is the identity."""
+    and loss; Hugging Face's own keys pass through, and translating back gives the LMHead's state dict."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -216,7 +217,33 @@ def test_lm_head_translates_into_hugging_face_gpt2():
     expected = hf(input_ids=ids, attention_mask=attention, labels=ids)
     assert _close(logits, expected.logits) and _close(loss, expected.loss)
     assert gpt2.translate_state_dict_to_hf_gpt2(hf.state_dict()).keys() == hf.state_dict().keys()
-    assert gpt2.translate_hf_state_dict_to_smdistributed_gpt2(translated) == translated
+    back = gpt2.translate_hf_state_dict_to_smdistributed_gpt2(translated)
+    assert back.keys() == head.state_dict().keys()
+    assert all(torch.equal(back[key], value) for key, value in head.state_dict().items())
+
+
+def test_gpt2_built_for_tensor_parallelism_is_replaced_by_the_lm_head_and_called_as_before():
+    """SMP's stand-in: built for tensor parallelism, a GPT2LMHeadModel becomes a
+    DistributedTransformerLMHead with `transformer.seq_layers`, takes Hugging Face's call and gives its output
+    (loss and logits equal to the original's with the same weights); one built outside is kept."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    with sw.tensor_parallelism():  # what model_creation(tensor_parallelism=True) marks by, without init
+        marked = GPT2LMHeadModel(config)
+    plain = GPT2LMHeadModel(config)
+    stand_in = replace_registered(marked)
+    assert isinstance(stand_in, DistributedTransformerLMHead) and len(stand_in.transformer.seq_layers) == 2
+    assert replace_registered(plain) is plain
+    stand_in.load_state_dict(gpt2.translate_hf_state_dict_to_smdistributed_gpt2(plain.state_dict()), strict=True)
+    ids, attention = torch.randint(0, VOCAB, (2, SEQ)), torch.ones(2, SEQ, dtype=torch.long)
+    attention[1, -2:] = 0
+    got, expected = (m(input_ids=ids, attention_mask=attention, labels=ids) for m in (stand_in, plain))
+    assert _close(got["loss"], expected.loss) and _close(got.logits, expected.logits)
+    with pytest.raises(ValueError, match="the GPT-2 stand-in takes input_ids, attention_mask, position_ids and "
+                                         "labels, not inputs_embeds; fix"):
+        stand_in(inputs_embeds=torch.randn(2, SEQ, HIDDEN))
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])

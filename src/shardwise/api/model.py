@@ -28,7 +28,7 @@ from ..parallel.compose import parallelize
 from ..parallel.materialize import has_meta
 from ..parallel.pipeline.stage import Elsewhere
 from ..parallel.strategy import OptimizerUpdate
-from ..parallel.tensor import PlanLike
+from ..parallel.tensor import PlanLike, replace_registered
 from ..parallel.wrap import known_blocks
 from ..runtime.init import warn_ineffective
 from ..runtime.state import current
@@ -147,6 +147,10 @@ class DistributedModel(nn.Module):
         self.options = options
         runtime = current("shardwise.DistributedModel")
         self._runtime = runtime
+        self.replaced_class = type(module)  # what the user built; a built-in stand-in may replace it
+        self.model_config = getattr(module, "config", None)  # a Hugging Face model's, kept for checkpoints
+        # tp_register's stand-ins first (the model itself may be one): they are the model every rank places and splits.
+        module = replace_registered(module)
         # Before parallelizing replaces them: an optimizer built from `module` is mapped by these names.
         self.original_names = OriginalNames(module)
         # The whole model's state dict names, which a checkpoint of it may hold (a pipeline stage holds fewer).

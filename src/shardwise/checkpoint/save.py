@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..parallel.tensor.registration import stood_in_for
 from ..runtime.state import Runtime, current
 from .contents import MODEL, subjects, training_state
 from .coordination import agree, checkpoint_group, wait_for_pending_save
@@ -42,8 +43,8 @@ def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None
 
     Called by every rank. `partial=True` (sharded): each rank writes its own pieces; any layout resumes it.
     `partial=False` (full): one `model.pt` with the user's module's state dict, as plain PyTorch loads it,
-    and `training_state.pt` (`translate_if_full` is accepted for SMP scripts: the names are always the
-    user's own). `num_kept_partial_checkpoints=N` keeps the N newest partial checkpoints in `path`.
+    and `training_state.pt`; with `translate_if_full`, a model SMP's stand-in replaced (a Hugging Face GPT-2
+    built for tensor parallelism) is written as the Hugging Face model's state dict, as SMP did. `num_kept_partial_checkpoints=N` keeps the N newest partial checkpoints in `path`.
     `async_save=True` returns once the state is copied to host memory; the next checkpoint call, `shutdown`
     or the end of the script waits for it (and raises its error)."""
     runtime = current("shardwise.save_checkpoint")
@@ -57,7 +58,8 @@ def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None
     root = Path(path)
     state = training_state(runtime, model, optimizer)
     staging = agree(group, lambda: _prepare(root, tag, user_content) if dist.get_rank() == 0 else writing_dir(root, tag))
-    finish = _finisher(runtime, group, root, tag, partial, model, num_kept_partial_checkpoints)
+    translation = stood_in_for(model.get_module()) if translate_if_full else None
+    finish = _finisher(runtime, group, root, tag, partial, model, num_kept_partial_checkpoints, translation)
     writer = FileSystemWriter(staging if partial else staging / _DCP_DIR)
     if not async_save:
         _write(lambda: dcp.save(state, storage_writer=writer, process_group=group), group, root, tag)
@@ -99,13 +101,13 @@ def _not_written(group: dist.ProcessGroup, root: Path, tag: str, reason: str) ->
 
 
 def _finisher(runtime: Runtime, group: dist.ProcessGroup, root: Path, tag: str, partial: bool, model: Any,
-              keep: Optional[int]) -> Callable[[], None]:
+              keep: Optional[int], translation: Optional[Callable[[dict], dict]]) -> Callable[[], None]:
     """What follows the writing, on every rank: consolidation (full), checksums, manifest, rename, pointer."""
     def finish() -> None:
         staging = writing_dir(root, tag)
         first = dist.get_rank() == 0
         if not partial and first:
-            _consolidate(staging)
+            _consolidate(staging, translation)
         files = sorted(entry.name for entry in staging.iterdir() if entry.is_file()) if partial or first else []
         mine = files[dist.get_rank()::dist.get_world_size()] if partial else files
         computed = agree(group, lambda: checksums(staging, mine))
@@ -113,28 +115,36 @@ def _finisher(runtime: Runtime, group: dist.ProcessGroup, root: Path, tag: str, 
         dist.all_gather_object(sums, computed, group=group)
         recorded = {name: value for part in sums if part for name, value in part.items()}
         try:
-            agree(group, lambda: _publish(runtime, root, tag, partial, model, recorded, keep) if first else None)
+            agree(group, lambda: _publish(runtime, root, tag, partial, model, recorded, keep,
+                                                  translation is not None) if first else None)
         except CheckpointError as error:
             raise _not_written(group, root, tag, str(error)) from None
 
     return finish
 
 
-def _consolidate(staging: Path) -> None:
-    """The DCP files the ranks wrote, as `model.pt` (the user's module's state dict) and `training_state.pt`."""
+def _consolidate(staging: Path, translation: Optional[Callable[[dict], dict]]) -> None:
+    """The DCP files the ranks wrote, as `model.pt` (the user's module's state dict, translated when asked) and
+    `training_state.pt`."""
     everything = read_everything(staging / _DCP_DIR)
-    torch.save(everything.pop(MODEL), staging / MODEL_FILE)
+    weights = everything.pop(MODEL)
+    torch.save(translation(dict(weights)) if translation is not None else weights, staging / MODEL_FILE)
     torch.save(everything, staging / TRAINING_FILE)
     shutil.rmtree(staging / _DCP_DIR)
 
 
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _publish(runtime: Runtime, root: Path, tag: str, partial: bool, model: Any, recorded: dict[str, str],
-             keep: Optional[int]) -> None:
-    module = model.get_module()
-    config = getattr(module, "config", None)
+             keep: Optional[int], translated: bool) -> None:
+    """Checksums and the manifest (the class whose state dict `model.pt` is: the replaced one when
+    `translated`), then the rename and the `newest` pointer."""
+    config = model.model_config
     write_manifest(writing_dir(root, tag), tag=tag, partial=partial, world_size=dist.get_world_size(),
                    degrees=runtime.layout.degrees(),
-                   model_class=f"{model.module_class.__module__}.{model.module_class.__qualname__}",
+                   model_class=_class_path(model.replaced_class if translated else model.module_class),
                    hf_config=json.loads(config.to_json_string()) if hasattr(config, "to_json_string") else None,
                    checksums=recorded)
     publish(root, tag)

@@ -96,4 +96,5 @@ class DistributedTransformerLMHead(DistributedModule):
             return logits
         # The label of each position is the next token; the last position has none.
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX), logits
+        # In fp32, as Hugging Face's models compute it: half-precision logits lose the loss's small differences.
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX), logits

@@ -11,6 +11,7 @@ output too (GPT-2's final norm), as SMP does. Split over the `tp` axis, the MLP'
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -21,7 +22,10 @@ from ..parallel.tensor.styles import StyleSpec
 from .attention import DistributedAttentionLayer
 from .module import DistributedModule, ignore_unknown, note_ineffective
 
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu,
+               # Hugging Face's names of the tanh approximation GPT-2 uses
+               "gelu_new": functools.partial(F.gelu, approximate="tanh"),
+               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 def check_layernorms(owner: str, pre_layernorm: bool, post_layernorm: bool) -> None:

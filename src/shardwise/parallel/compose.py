@@ -31,7 +31,7 @@ from .materialize import has_meta, mesh_device, place, unit_materialiser
 from .pipeline import apply_pipeline
 from .sharding import apply_data_parallel
 from .strategy import Strategy
-from .tensor import PlanLike, TensorParallelBatch, apply_tensor_parallel, replace_registered
+from .tensor import PlanLike, TensorParallelBatch, apply_tensor_parallel
 from .zero1.update import apply_zero1
 
 
@@ -39,7 +39,6 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
                 ddp_options: Optional[Mapping[str, Any]] = None) -> Strategy:
     """`tp_plan`: the user's tensor-parallel plan, for models without a built-in one; `ddp_options`: what
     torch's DistributedDataParallel takes, where the composition chooses it (SMP's DistributedModel arguments)."""
-    replace_registered(module)  # tp_register's stand-ins first: they are the model every rank places and splits
     wrap = functools.partial(wrap_part, ddp_options=ddp_options)
     if config.pipeline_parallel_degree > 1:  # cuts the model into stages, then the same steps per stage
         pipeline = apply_pipeline(module, mesh, config, tp_plan, split_part, wrap)

@@ -1,14 +1,17 @@
-"""SMP's state-dict translation functions between Hugging Face models and SMP's distributed modules.
+"""SMP's Hugging Face integration: distributed stand-ins for Hugging Face models, and state-dict translations.
 
-SMP replaced a Hugging Face model's blocks by its `DistributedTransformer*` modules, whose
-parameter names differ, and these functions translated between the two. shardwise
-splits Hugging Face modules in place and keeps their names, so a state dict of a
-`DistributedModel` of a Hugging Face model is Hugging Face's already: translating
-to shardwise is the identity, and translating to Hugging Face renames only what is
-written in SMP's layout (a state dict of `shardwise.nn` modules, or one SMP saved),
-passing Hugging Face names through.
+SMP replaced a Hugging Face model it supports by its `DistributedTransformer*`
+modules when the model was built for tensor parallelism, and these functions
+translate between the two layouts. shardwise does the same for GPT-2
+(`GPT2LMHeadModel`, gpt2.py). Hugging Face models without a stand-in here are
+split in place, keeping their own names, by their built-in tensor-parallel plans;
+for them, translating to shardwise is the identity, and translating to Hugging
+Face renames only what is written in SMP's layout, passing Hugging Face names through.
 """
 
+from ...parallel.tensor.registration import register_stand_in
 from . import bert, gpt2, gptj, gptneo, roberta
+
+register_stand_in("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", gpt2.stand_in)
 
 __all__ = ["bert", "gpt2", "gptj", "gptneo", "roberta"]

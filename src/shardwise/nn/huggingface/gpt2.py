@@ -1,5 +1,11 @@
 """GPT-2: SMP's `DistributedTransformerLMHead` (pre- and post-layer-norm, causal) stood in for `GPT2LMHeadModel`.
 
+As in SMP, a `GPT2LMHeadModel` built under `sw.model_creation(tensor_parallelism=True)`
+(or `sw.tensor_parallelism()`) is replaced by one when `DistributedModel` wraps it
+(`stand_in`), whatever the tensor-parallel degree, and is called as before:
+`model(input_ids=..., attention_mask=..., labels=...)` gives an output with `loss`
+and `logits`. Its state dict is in SMP's layout, which these functions translate.
+
 Layouts: `word_embedding`/`position_embedding` ↔ `transformer.wte`/`wpe`; layer i's
 `attention.pre_layernorm` ↔ `h.i.ln_1`, `attention.query/key/value` ↔ `h.i.attn.c_attn`
 (Q, K and V side by side in one Conv1D), `attention.dense` ↔ `attn.c_proj`,
@@ -16,52 +22,135 @@ from typing import Any, Optional
 
 import torch
 
-from .layout import StateDict, identity, renamed, transposed
+from ...parallel.tensor.registration import Registration
+from ..lm_head import DistributedTransformerLMHead
+from .layout import StateDict
 
-_LAYER = r"transformer\.seq_layers\.(\d+)\."
-_RULES = [
-    (r"^(.*)word_embedding\.", r"\1transformer.wte."),
-    (r"^(.*)position_embedding\.", r"\1transformer.wpe."),
-    (_LAYER + r"attention\.pre_layernorm\.", r"transformer.h.\1.ln_1."),
-    (_LAYER + r"attention\.dense\.", r"transformer.h.\1.attn.c_proj."),
-    (_LAYER + r"output\.pre_layernorm\.", r"transformer.h.\1.ln_2."),
-    (_LAYER + r"output\.dense1\.", r"transformer.h.\1.mlp.c_fc."),
-    (_LAYER + r"output\.dense2\.", r"transformer.h.\1.mlp.c_proj."),
-]
-_CONV1D = re.compile(r"transformer\.h\.\d+\.(attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
-_QKV = re.compile(_LAYER + r"attention\.(query|key|value)\.(weight|bias)$")
-_FINAL_NORM = re.compile(_LAYER + r"output\.layernorm\.(weight|bias)$")
+_EMBEDDINGS = {"word_embedding": "transformer.wte", "position_embedding": "transformer.wpe"}
+_LAYER_PARTS = {  # SMP's name in layer i -> (GPT-2's name in block i, stored transposed)
+    "attention.pre_layernorm": ("ln_1", False),
+    "attention.dense": ("attn.c_proj", True),
+    "output.pre_layernorm": ("ln_2", False),
+    "output.dense1": ("mlp.c_fc", True),
+    "output.dense2": ("mlp.c_proj", True),
+}
+_QKV = ("query", "key", "value")
+_SMP_KEY = re.compile(r"^(?P<prefix>.*?)(?:(?P<embedding>word_embedding|position_embedding)|"
+                      r"transformer\.seq_layers\.(?P<layer>\d+)\.(?P<part>[\w.]+?))\.(?P<leaf>weight|bias)$")
+_HF_KEY = re.compile(r"^(?P<prefix>.*?)transformer\.(?:(?P<embedding>wte|wpe)|ln_f|h\.(?P<layer>\d+)\."
+                     r"(?P<part>[\w.]+?))\.(?P<leaf>weight|bias)$")
+_HF_BUFFERS = re.compile(r"\.attn\.(bias|masked_bias)$")  # causal-mask buffers older transformers saved
+
+
+def _t(value: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """A linear weight between nn.Linear's (out × in) and HF Conv1D's (in × out) storage."""
+    return value.t().contiguous() if transpose else value
 
 
 def translate_state_dict_to_hf_gpt2(state_dict: StateDict, max_seq_len: Optional[int] = None) -> dict[str, Any]:
     """A `DistributedTransformerLMHead` state dict as `GPT2LMHeadModel`'s (see module docstring); keys already
-    Hugging Face's pass through, so a `DistributedModel` of a GPT-2 comes back as it is. `max_seq_len` sized
-    the causal-mask buffers older transformers kept in the state dict; the installed one keeps none."""
-    qkv: dict[tuple[str, str, str], dict[str, torch.Tensor]] = defaultdict(dict)  # (prefix, layer, kind) -> parts
-    rest = {}
+    Hugging Face's pass through. `max_seq_len` sized the causal-mask buffers older transformers kept in the
+    state dict; the installed one keeps none."""
+    layers = [int(m.group("layer")) for m in map(_SMP_KEY.match, state_dict) if m and m.group("layer")]
+    last = max(layers, default=None)
+    qkv: dict[tuple[str, str, str], dict[str, torch.Tensor]] = defaultdict(dict)  # (prefix, layer, leaf) -> parts
+    result = {}
     for key, value in state_dict.items():
-        found = _QKV.search(key)
-        if found:
-            qkv[key[:found.start()], found.group(1), found.group(3)][found.group(2)] = value
+        found = _SMP_KEY.match(key)
+        if found is None:
+            result[key] = value
+            continue
+        prefix, layer, part, leaf = found.group("prefix", "layer", "part", "leaf")
+        if found.group("embedding"):
+            result[f"{prefix}{_EMBEDDINGS[found.group('embedding')]}.{leaf}"] = value
+        elif part.startswith("attention.") and part.split(".", 1)[1] in _QKV:
+            qkv[prefix, layer, leaf][part.split(".", 1)[1]] = value
+        elif part == "output.layernorm" and int(layer) == last:
+            result[f"{prefix}transformer.ln_f.{leaf}"] = value
+        elif part in _LAYER_PARTS:
+            name, transpose = _LAYER_PARTS[part]
+            result[f"{prefix}transformer.h.{layer}.{name}.{leaf}"] = _t(value, transpose and leaf == "weight")
         else:
-            rest[key] = value
-    result = {key: transposed(value) if _CONV1D.search(key) else value
-              for key, value in renamed(_final_norm(rest), _RULES).items()}
-    for (prefix, layer, kind), parts in qkv.items():
-        ordered = [parts[name] for name in ("query", "key", "value")]
-        fused = torch.cat([transposed(p) for p in ordered], dim=1) if kind == "weight" else torch.cat(ordered)
-        result[f"{prefix}transformer.h.{layer}.attn.c_attn.{kind}"] = fused
+            result[key] = value
+    for (prefix, layer, leaf), parts in qkv.items():
+        ordered = [_t(parts[name], leaf == "weight") for name in _QKV]
+        result[f"{prefix}transformer.h.{layer}.attn.c_attn.{leaf}"] = torch.cat(ordered, dim=-1)
     return result
 
 
-def _final_norm(state_dict: StateDict) -> dict[str, Any]:
-    """The last layer's post-layer-norm is GPT-2's final `ln_f`."""
-    found = [(_FINAL_NORM.search(key), key) for key in state_dict]
-    last = max((int(m.group(1)) for m, _ in found if m), default=None)
-    return {(f"{key[:m.start()]}transformer.ln_f.{m.group(2)}" if m and int(m.group(1)) == last else key): value
-            for (m, key), value in zip(found, state_dict.values(), strict=True)}
+def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: StateDict,
+                                                  max_seq_len: Optional[int] = None) -> dict[str, Any]:
+    """A `GPT2LMHeadModel` state dict (from Hugging Face or `translate_state_dict_to_hf_gpt2`) in SMP's layout,
+    to load into the stand-in; keys in neither layout pass through, the old causal-mask buffers are dropped."""
+    layers = [int(m.group("layer")) for m in map(_HF_KEY.match, state_dict) if m and m.group("layer")]
+    last = max(layers, default=0)
+    to_smp = {hf: (smp, transpose) for smp, (hf, transpose) in _LAYER_PARTS.items()}
+    embeddings = {hf.split(".")[1]: smp for smp, hf in _EMBEDDINGS.items()}
+    result = {}
+    for key, value in state_dict.items():
+        if _HF_BUFFERS.search(key):
+            continue
+        found = _HF_KEY.match(key)
+        if found is None or found.group("part") not in (None, "attn.c_attn", *to_smp):
+            result[key] = value
+            continue
+        prefix, layer, part, leaf = found.group("prefix", "layer", "part", "leaf")
+        if found.group("embedding"):
+            result[f"{prefix}{embeddings[found.group('embedding')]}.{leaf}"] = value
+        elif layer is None:  # ln_f
+            result[f"{prefix}transformer.seq_layers.{last}.output.layernorm.{leaf}"] = value
+        elif part == "attn.c_attn":
+            for name, piece in zip(_QKV, value.chunk(3, dim=-1)):
+                result[f"{prefix}transformer.seq_layers.{layer}.attention.{name}.{leaf}"] = _t(piece, leaf == "weight")
+        else:
+            name, transpose = to_smp[part]
+            result[f"{prefix}transformer.seq_layers.{layer}.{name}.{leaf}"] = _t(value, transpose and leaf == "weight")
+    return result
 
 
-def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: StateDict) -> dict[str, Any]:
-    """The identity: a `DistributedModel` of a Hugging Face GPT-2 keeps its names (see the package docstring)."""
-    return identity(state_dict)
+def _arguments(config: Any) -> tuple[tuple, dict[str, Any]]:
+    """`DistributedTransformerLMHead`'s arguments for a `GPT2Config`: the same model, its weights drawn anew."""
+    unsupported = [name for name in ("add_cross_attention", "scale_attn_by_inverse_layer_idx",
+                                     "reorder_and_upcast_attn") if getattr(config, name, False)]
+    if unsupported or not getattr(config, "scale_attn_weights", True):
+        raise ValueError(f"GPT-2 with {', '.join(unsupported) or 'scale_attn_weights=False'} has no stand-in; "
+                         "fix: build it outside sw.model_creation(tensor_parallelism=True) to keep Hugging Face's "
+                         "modules, split by the built-in GPT-2 plan")
+    heads, width = config.n_head, config.n_embd
+    return (), dict(num_layers=config.n_layer, num_attention_heads=heads, attention_head_size=width // heads,
+                    hidden_size=width, intermediate_size=config.n_inner or 4 * width, vocab_size=config.vocab_size,
+                    num_positions=config.n_positions, attention_dropout_prob=config.attn_pdrop,
+                    hidden_dropout_prob=config.resid_pdrop, activation=config.activation_function,
+                    layernorm_epsilon=config.layer_norm_epsilon, causal_mask_size=config.n_positions,
+                    initializer_range=config.initializer_range, use_normal_initialization=True,
+                    pre_layernorm=True, post_layernorm=True)
+
+
+def _inputs(input_ids: Optional[torch.Tensor] = None, *args: Any, attention_mask: Optional[torch.Tensor] = None,
+            position_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+            **others: Any) -> tuple[tuple, dict]:
+    """`GPT2LMHeadModel.forward`'s arguments as the stand-in's one tuple; what it cannot take is refused."""
+    given = [name for name, value in others.items() if value is not None and name not in _IGNORED] + (
+        ["positional arguments after input_ids"] if args else [])
+    if given:
+        raise ValueError(f"the GPT-2 stand-in takes input_ids, attention_mask, position_ids and labels, not "
+                         f"{', '.join(given)}; fix: pass those by name, or build the model outside "
+                         "sw.model_creation(tensor_parallelism=True)")
+    return ((input_ids, attention_mask, None, position_ids, labels),), {}
+
+
+# Switches of Hugging Face's forward that do not change a training step's loss and logits.
+_IGNORED = ("use_cache", "return_dict", "output_attentions", "output_hidden_states", "logits_to_keep")
+
+
+def _output(result: Any) -> Any:
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+    loss, logits = result if isinstance(result, tuple) else (None, result)
+    return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+
+
+def stand_in() -> Registration:
+    """SMP's stand-in for `GPT2LMHeadModel` (see module docstring)."""
+    return Registration(DistributedTransformerLMHead, _arguments, _inputs, _output,
+                        arguments=lambda model: ((model.config,), {}), to_original=translate_state_dict_to_hf_gpt2)

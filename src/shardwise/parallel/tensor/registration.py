@@ -17,7 +17,14 @@ parent's code calls it as before. As in SMP the replacement is a new module with
 its own initial weights: load a state dict after `DistributedModel`. It is built
 on the original's device and in its dtype (on the meta device under delayed
 initialisation), and whatever the tensor-parallel degree, so every layout trains
-the same model. Only the outermost registered instance of a subtree is replaced.
+the same model. Only the outermost registered instance of a subtree is replaced, the
+model itself included: a module without a mark of its own (a model whose own
+parameters all live in submodules) takes the mark of its first marked submodule.
+
+Built-in stand-ins (`register_stand_in`, SMP's Hugging Face ones in
+`shardwise.nn.huggingface`) are named by class path, so nothing imports
+transformers early, and take their arguments from the instance (`arguments`),
+since the class was never wrapped to record them.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from torch import nn
 from .marks import mark_of
 
 _ARGS = "_shardwise_init_args"
+_TRANSLATION = "_shardwise_to_original"
 
 
 class Registration(NamedTuple):
@@ -40,9 +48,30 @@ class Registration(NamedTuple):
     init_hook: Optional[Callable]
     forward_hook: Optional[Callable]
     return_hook: Optional[Callable]
+    arguments: Optional[Callable[[nn.Module], tuple[tuple, dict]]] = None  # (args, kwargs) read off an instance
+    to_original: Optional[Callable[[dict], dict]] = None  # a state dict of the stand-in as the original's
+
+
+def stood_in_for(module: nn.Module) -> Optional[Callable[[dict], dict]]:
+    """How to translate a state dict of `module`, a built-in stand-in, to the model it replaced (else None)."""
+    return getattr(module, _TRANSLATION, None)
 
 
 _registry: dict[type, Registration] = {}
+_stand_ins: dict[str, Callable[[], Registration]] = {}  # "module.QualName" -> its registration, built when used
+
+
+def register_stand_in(class_path: str, registration: Callable[[], Registration]) -> None:
+    """A built-in stand-in for the class at `class_path` ("package.module.Class"); `registration()` is called
+    the first time an instance is met, so it may import the class's library then."""
+    _stand_ins[class_path] = registration
+
+
+def _registration_of(cls: type) -> Optional[Registration]:
+    if cls in _registry:
+        return _registry[cls]
+    loader = _stand_ins.get(f"{cls.__module__}.{cls.__qualname__}")
+    return None if loader is None else _registry.setdefault(cls, loader())
 
 
 def tp_register_with_module(module_cls: type, dist_module: type, init_hook: Optional[Callable] = None,
@@ -81,19 +110,41 @@ def _record_init_args(cls: type) -> None:
     cls.__init__ = __init__
 
 
-def replace_registered(model: nn.Module) -> None:
-    """Replace, in place, every marked-on instance of a registered class below `model` (see module docstring)."""
+def replace_registered(model: nn.Module) -> nn.Module:
+    """`model` with every marked-on instance of a registered class in it replaced (see module docstring): the
+    submodules in place, and the model itself by the returned module."""
+    replacement = _replaced(model, _root_mark(model))
+    if replacement is model:
+        _replace_below(model)
+    return replacement
+
+
+def _replace_below(model: nn.Module) -> None:
     for name, child in list(model.named_children()):
-        registration = _registry.get(type(child))
-        mark = mark_of(child)
-        if registration is not None and mark is not None and mark.enabled:
-            setattr(model, name, _replacement(child, registration, mark.options))
+        replacement = _replaced(child, mark_of(child))
+        if replacement is child:
+            _replace_below(child)
         else:
-            replace_registered(child)
+            setattr(model, name, replacement)
+
+
+def _replaced(module: nn.Module, mark: Any) -> nn.Module:
+    registration = _registration_of(type(module))
+    if registration is None or mark is None or not mark.enabled:
+        return module
+    return _replacement(module, registration, mark.options)
+
+
+def _root_mark(model: nn.Module) -> Any:
+    """The model's mark, else its first marked submodule's: a model is never assigned as a submodule, so one
+    without parameters of its own is not marked while it is built inside a context."""
+    return next((mark_of(sub) for sub in model.modules() if mark_of(sub) is not None), None)
 
 
 def _replacement(original: nn.Module, registration: Registration, options: dict[str, Any]) -> nn.Module:
     recorded = getattr(original, _ARGS, None)
+    if recorded is None and registration.arguments is not None:
+        recorded = registration.arguments(original)
     if recorded is None:
         raise RuntimeError(f"{type(original).__name__} was built before it was registered with tp_register; "
                            "fix: register the class before building the model")
@@ -106,6 +157,8 @@ def _replacement(original: nn.Module, registration: Registration, options: dict[
     with _built_like(original):
         replacement = registration.dist_module(*args, **kwargs)
     replacement.train(original.training)
+    if registration.to_original is not None:
+        object.__setattr__(replacement, _TRANSLATION, registration.to_original)
     forward_hook, return_hook = registration.forward_hook, registration.return_hook
     if forward_hook is not None:
         replacement.register_forward_pre_hook(lambda _, a, k: _pair(forward_hook(*a, **k), "forward_hook"),
