@@ -17,12 +17,19 @@ FIX = "; fix: remove them, or set what they need"
 CASES = {
     "pipeline keys without pipeline stages": (
         {"pipeline_schedule": "gpipe", "virtual_stages": 1, "pipeline_balance": "compute",
-         "pipeline_split_points": [2], "microbatches": 2, "active_microbatches": 1},
+         "pipeline_split_points": [2], "microbatches": 2, "active_microbatches": 1, "auto_partition": False},
         [(key, "needs pipeline_parallel_degree > 1") for key in
-         ("pipeline_schedule", "virtual_stages", "pipeline_balance", "pipeline_split_points", "active_microbatches")]),
+         ("pipeline_schedule", "virtual_stages", "pipeline_balance", "pipeline_split_points", "active_microbatches",
+          "auto_partition")]),
     "balance with a manual cut": (
         {"pipeline_parallel_degree": 2, "pipeline_split_points": [2], "pipeline_balance": "compute"},
         [("pipeline_balance", "pipeline_split_points fixes the cut")]),
+    "balance with every block placed by hand": (
+        {"pipeline_parallel_degree": 2, "auto_partition": False, "pipeline_balance": "compute"},
+        [("pipeline_balance", "auto_partition false places every block by hand or on default_partition")]),
+    "default partition under the automatic cut": (
+        {"pipeline_parallel_degree": 2, "default_partition": 1},
+        [("default_partition", "places the modules not placed by hand only when auto_partition is false")]),
     "1f1b already bounds what is in flight": (
         {"pipeline_parallel_degree": 2, "microbatches": 4, "active_microbatches": 2},
         [("active_microbatches", "1f1b runs rounds of 4 microbatches with or without it")]),
@@ -42,6 +49,7 @@ EFFECTIVE = [
     {"pipeline_parallel_degree": 2, "microbatches": 8, "active_microbatches": 2, "pipeline_schedule": "gpipe",
      "pipeline_balance": "compute"},  # 2 in flight, where SMP's default (pp + 2) holds 4
     {"pipeline_parallel_degree": 4, "microbatches": 4, "active_microbatches": 2},
+    {"pipeline_parallel_degree": 2, "auto_partition": False, "default_partition": 1},  # SMP's manual placement
     {"tensor_parallel_degree": 2, "prescaled_batch": True},
     {"sharded_data_parallel_degree": 2, "auto_wrap_min_params": 1000},
 ]

@@ -17,10 +17,10 @@ from typing import Iterator, Optional
 from .schema import ShardwiseConfig
 from .smp_only import INSTEAD, OFFLOAD_PACING, SHARDING_INSTEAD
 
-# SMP's pipeline-partition keys: validated and kept, but shardwise's cut does not read them yet.
-PARTITION_KEYS = ("auto_partition", "default_partition", "memory_weight")
+# SMP's pipeline-partition keys that are validated and kept, but that shardwise's cut does not read yet.
+PARTITION_KEYS = ("memory_weight",)
 PIPELINE_KEYS = ("pipeline_schedule", "virtual_stages", "pipeline_balance", "pipeline_split_points",
-                 "active_microbatches", *PARTITION_KEYS)
+                 "active_microbatches", "auto_partition", "default_partition", *PARTITION_KEYS)
 
 
 class IneffectiveSettingsWarning(UserWarning):
@@ -40,8 +40,12 @@ def _pipeline(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
     if c.pipeline_parallel_degree == 1:
         yield from ((key, "needs pipeline_parallel_degree > 1") for key in PIPELINE_KEYS if changed(c, key))
         return
-    if c.pipeline_split_points is not None and changed(c, "pipeline_balance"):
+    if not c.auto_partition and changed(c, "pipeline_balance"):
+        yield "pipeline_balance", "auto_partition false places every block by hand or on default_partition"
+    elif c.pipeline_split_points is not None and changed(c, "pipeline_balance"):
         yield "pipeline_balance", "pipeline_split_points fixes the cut"
+    if c.auto_partition and changed(c, "default_partition"):
+        yield "default_partition", "places the modules not placed by hand only when auto_partition is false"
     if c.active_microbatches is not None and c.pipeline_round == c.model_copy(
             update={"active_microbatches": None}).pipeline_round:
         yield "active_microbatches", (f"{c.pipeline_schedule} runs rounds of {c.pipeline_round} microbatches "

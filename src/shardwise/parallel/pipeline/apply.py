@@ -48,7 +48,8 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig
     pp_mesh = mesh["pp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     total = pp * config.stages_per_rank
-    part = partition(model, total, config.pipeline_balance, config.pipeline_split_points, config.stages_per_rank)
+    part = partition(model, total, config.pipeline_balance, config.pipeline_split_points, config.stages_per_rank,
+                     config.auto_partition, config.default_partition)
     ranks = stage_ranks(config.pipeline_schedule, pp, total)
     if dist.get_rank() == 0:
         print(part.describe(ranks), flush=True)

@@ -5,7 +5,8 @@ blocks a Hugging Face model names in `_no_split_modules`, else the largest list
 of same-type modules. Modules with parameters registered before that list
 (embeddings) belong to the first stage, those registered after it (final norm,
 head) to the last; modules without parameters (rotary tables, dropout) run on
-every stage. Pure: works on a model built on the meta device.
+every stage. Blocks placed by hand (placement.py) stay where they were placed.
+Pure: works on a model built on the meta device.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from ...config.errors import ConfigError, Problem
+from .placement import block_placements
 
 PP_KEY = "pipeline_parallel_degree"
 SPLIT_KEY = "pipeline_split_points"
@@ -38,7 +40,7 @@ class Partition:
     blocks: Blocks
     bounds: tuple[tuple[int, int], ...]
     costs: tuple[int, ...]
-    balance: str  # what chose the cuts: "parameters", "compute" or "split points"
+    how: str  # what chose the cuts, e.g. "balanced by parameters", "at the configured split points", "placed by hand"
     unit: str  # of `costs`
 
     @property
@@ -47,9 +49,8 @@ class Partition:
 
     def describe(self, stage_ranks: Sequence[int]) -> str:
         """One line per stage, e.g. 'stage 0 (pp rank 0): transformer.wte, transformer.h.0-1 — 1.2M params'."""
-        how = "at the configured split points" if self.balance == "split points" else f"balanced by {self.balance}"
         lines = [f"pipeline partition of {self.blocks.path} ({self.blocks.count} blocks) into {self.stages} stages, "
-                 f"{how}:"]
+                 f"{self.how}:"]
         for stage, ((start, stop), cost) in enumerate(zip(self.bounds, self.costs)):
             parts = list(self.blocks.before) if stage == 0 else []
             parts.append(f"{self.blocks.path}.{start}" + (f"-{stop - 1}" if stop - start > 1 else ""))
@@ -106,8 +107,9 @@ def module_cost(module: nn.Module, balance: str) -> int:
                for p in m.parameters(recurse=False))
 
 
-def _min_max_split(costs: list[int], stages: int, first: int, last: int) -> list[int]:
-    """Stage sizes (in blocks) minimising the costliest stage; `first`/`last` add to the end stages."""
+def _min_max_split(costs: list[int], stages: int, first: int, last: int, fixed: Sequence[Optional[int]]) -> list[int]:
+    """Stage sizes (in blocks) minimising the costliest stage; `first`/`last` add to the end stages; a block
+    with a `fixed` stage stays on it (placement.py has checked that every stage can still get a block)."""
     n = len(costs)
     prefix = [0]
     for c in costs:
@@ -120,8 +122,11 @@ def _min_max_split(costs: list[int], stages: int, first: int, last: int) -> list
     for s in range(stages - 1, -1, -1):
         extra = (first if s == 0 else 0) + (last if s == stages - 1 else 0)
         for i in range(n - (stages - s) + 1):
-            stops = [n] if s == stages - 1 else range(i + 1, n - (stages - s - 1) + 1)
-            for j in stops:
+            for j in range(i + 1, n - (stages - s - 1) + 1):
+                if fixed[j - 1] not in (None, s):
+                    break
+                if s == stages - 1 and j < n:
+                    continue
                 value = max(prefix[j] - prefix[i] + extra, best[s + 1][j])
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
@@ -133,8 +138,10 @@ def _min_max_split(costs: list[int], stages: int, first: int, last: int) -> list
 
 
 def partition(model: nn.Module, stages: int, balance: str = "parameters",
-              split_points: Optional[Sequence[int]] = None, virtual_stages: int = 1) -> Partition:
-    """Cut `model` into `stages` contiguous runs of blocks: at `split_points`, else balanced by `balance`."""
+              split_points: Optional[Sequence[int]] = None, virtual_stages: int = 1, auto_partition: bool = True,
+              default_partition: int = 0) -> Partition:
+    """Cut `model` into `stages` contiguous runs of blocks: where blocks are placed by hand (SMP's
+    `auto_partition`, `default_partition`), else at `split_points`, else balanced by `balance`."""
     blocks = find_blocks(model)
     n = blocks.count
     if stages > n:
@@ -149,6 +156,11 @@ def partition(model: nn.Module, stages: int, balance: str = "parameters",
     costs = [module_cost(b, balance) for b in block_list]
     first = sum(module_cost(model.get_submodule(p), balance) for p in blocks.before)
     last = sum(module_cost(model.get_submodule(p), balance) for p in blocks.after)
+    fixed = block_placements(model, blocks, stages, virtual_stages, auto_partition, default_partition)
+    if fixed is not None and split_points is not None:
+        by_hand = f"blocks of {blocks.path} placed by hand" if auto_partition else "auto_partition false"
+        raise ValueError(f"pipeline placement: {SPLIT_KEY} {list(split_points)} and {by_hand} both fix the cut; "
+                         f"fix: drop {SPLIT_KEY}, or " + ("the placements" if auto_partition else "auto_partition"))
     if split_points is not None:
         points = list(split_points)
         if points != sorted(set(points)) or not all(0 < p < n for p in points) or len(points) != stages - 1:
@@ -159,10 +171,18 @@ def partition(model: nn.Module, stages: int, balance: str = "parameters",
         edges = [0, *points, n]
     else:
         edges = [0]
-        for size in _min_max_split(costs, stages, first, last):
+        for size in _min_max_split(costs, stages, first, last, fixed or [None] * n):
             edges.append(edges[-1] + size)
     bounds = tuple(zip(edges[:-1], edges[1:]))
     stage_costs = tuple(sum(costs[a:b]) + (first if s == 0 else 0) + (last if s == stages - 1 else 0)
                         for s, (a, b) in enumerate(bounds))
     unit = "matmul params" if balance == "compute" else "params"
-    return Partition(blocks, bounds, stage_costs, "split points" if split_points is not None else balance, unit)
+    return Partition(blocks, bounds, stage_costs, _how(balance, split_points, fixed), unit)
+
+
+def _how(balance: str, split_points: Optional[Sequence[int]], fixed: Optional[Sequence[Optional[int]]]) -> str:
+    if split_points is not None:
+        return "at the configured split points"
+    if fixed is None:
+        return f"balanced by {balance}"
+    return "placed by hand" if None not in fixed else f"placed by hand, the rest balanced by {balance}"
