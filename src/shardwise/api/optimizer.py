@@ -33,11 +33,12 @@ def _owner(optimizer: torch.optim.Optimizer, models: list) -> Any:
     return owners[0]
 
 
-def _checked(key: str, value: Any, rule: str, holds: Callable[[float], bool], integer: bool = False) -> Any:
+def _checked(key: str, value: Any, rule: str, holds: Callable[[float], bool], integer: bool = False,
+             example: Any = None) -> Any:
     """`value` as a float (an int where `integer`), if it is a number for which `holds` is true."""
     number = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
     if not number or not holds(value):
-        example = DYNAMIC_LOSS_DEFAULTS.get(key, 128.0)
+        example = DYNAMIC_LOSS_DEFAULTS.get(key, 128.0) if example is None else example
         raise ValueError(f"DistributedOptimizer: {key}={value!r} must be {rule}; fix: pass e.g. {key}={example!r}")
     return int(value) if integer else float(value)
 
@@ -128,6 +129,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     unless given, as a dict or as keywords); a `static_loss_scale` other than 1.0
     keeps that scale fixed (an overflow still skips its step on every rank). SMP's
     defaults mean no scaling at all; shardwise keeps torch's dynamic scaling then.
+
+    SMP's FP16_Optimizer members its scripts call: `clip_master_grads` (the next
+    step clips), `overflow` (the last step was skipped) and `_global_grad_norm`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: Optional[float] = 1.0,
@@ -156,6 +160,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.grad_norm: Optional[torch.Tensor] = None  # before clipping, from the last step that clipped
         self.steps = 0  # taken by `step`; every `replica_check_interval` of them, the replica check runs
+        self._next_step_clip: Optional[float] = None  # `clip_master_grads`'s limit, for the next step only
+        self._overflow = False
         warn_ineffective(ignored)
         runtime.optimizers.add(self)
 
@@ -197,14 +203,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            "to the torch optimizer before wrapping it")
 
     def step(self, closure: Any = None) -> Any:
-        """Unscale (fp16), clip, step; an fp16 overflow on any rank skips it on all. Clipping is by the
-        global norm of every gradient of the model (kept in `grad_norm` for logs), to `gradient_clipping` and to
-        the optimizer's own `defaults["max_grad_norm"]` (LAMB's), since the optimizer itself sees only this
-        rank's share under ZeRO-1 or a pipeline. Under ZeRO-1 each owner then starts broadcasting what it
-        updated, and returns without waiting, unless the replica check is due (`replica_check_interval`)."""
-        result, norm = self._update.step(closure, self._clip())
+        """Unscale (fp16), clip, step; an fp16 overflow on any rank skips it on all (`overflow`). Clipping is
+        by the global norm of every gradient of the model (kept in `grad_norm` for logs), to `gradient_clipping`,
+        to a `clip_master_grads` limit given since the last step and to the optimizer's own
+        `defaults["max_grad_norm"]` (LAMB's), since the optimizer itself sees only this rank's share under
+        ZeRO-1 or a pipeline. Under ZeRO-1 each owner then starts broadcasting what it updated, and returns
+        without waiting, unless the replica check is due (`replica_check_interval`)."""
+        clip, self._next_step_clip = self._clip(), None
+        result, norm = self._update.step(closure, clip)
         if norm is not None:
             self.grad_norm = norm
+        self._overflow = self.loss_scaler is not None and self.loss_scaler.overflowed
         self.steps += 1
         interval = self._runtime.config.replica_check_interval
         if interval is not None and self.steps % interval == 0:
@@ -212,10 +221,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return result
 
     def _clip(self) -> Optional[float]:
-        """The global-norm limit the step clips to, if any: the config's and the optimizer's, the tighter."""
-        limits = (self._runtime.config.gradient_clipping, self.optimizer.defaults.get("max_grad_norm"))
+        """The global-norm limit the step clips to, if any: the tightest of the config's, the optimizer's and
+        `clip_master_grads`'s."""
+        limits = (self._runtime.config.gradient_clipping, self.optimizer.defaults.get("max_grad_norm"),
+                  self._next_step_clip)
         limits = [limit for limit in limits if limit]
         return min(limits) if limits else None
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> None:
+        """SMP's FP16_Optimizer member: clip the gradients to a global norm of `max_norm`. `step` unscales
+        and clips in one pass over the gradients, so this makes the next `step` (only) clip to `max_norm`, or
+        tighter where `gradient_clipping` or the optimizer's `max_grad_norm` say so; the last call before a
+        step counts. Returns None, not FP16_Optimizer's norm: the step takes it, into `_global_grad_norm`."""
+        if norm_type != 2:
+            raise ValueError(f"DistributedOptimizer.clip_master_grads: norm_type={norm_type!r} is not supported "
+                             "(shardwise clips by the global L2 norm); fix: pass norm_type=2")
+        self._next_step_clip = _checked("max_norm", max_norm, "a number > 0", lambda v: v > 0, example=1.0)
+
+    @property
+    def overflow(self) -> bool:
+        """True when the last `step` was skipped because the fp16 gradients overflowed on some rank (as SMP's
+        FP16_Optimizer says, for scripts that then skip their lr scheduler); always False without fp16."""
+        return self._overflow
+
+    @property
+    def _global_grad_norm(self) -> Optional[torch.Tensor]:
+        """SMP's name for `grad_norm`: the global gradient norm the last clipping step took before clipping
+        (inf or nan if that step overflowed); None before any."""
+        return self.grad_norm
 
     def synchronize(self) -> None:
         """Wait until every replica holds the parameters the last step updated (ZeRO-1). Forward waits for

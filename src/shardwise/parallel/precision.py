@@ -112,6 +112,7 @@ class LossScaler(ShardedGradScaler):
         self.rule = rule
         self._hysteresis_left = rule.hysteresis
         self._configured = False
+        self.overflowed = False  # whether the steps the last `update` concluded were skipped for an inf/nan
 
     def configure(self, rule: ScalingRule) -> None:
         """Follow `rule` from its initial scale on. A model has one loss scale, shared by its backward and
@@ -128,16 +129,19 @@ class LossScaler(ShardedGradScaler):
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
         """torch's update, then the rule's floor, hysteresis or static scale on top of it. torch backs off
-        exactly when a step overflowed (its backoff factor is below 1), which is how an overflow is told."""
-        if not self.is_enabled() or new_scale is not None or not self.rule.beyond_torch:
+        exactly when a step overflowed (its backoff factor is below 1), which is how `overflowed` is told."""
+        if not self.is_enabled() or new_scale is not None:
             super().update(new_scale)
             return
         before = self.get_scale()
         super().update()
         after, rule = self.get_scale(), self.rule
+        self.overflowed = after < before
+        if not rule.beyond_torch:
+            return
         if rule.static:
             kept = before
-        elif after < before:
+        elif self.overflowed:
             if self._hysteresis_left > 1:  # absorbed: one fewer left before the scale backs off
                 self._hysteresis_left -= 1
                 kept = before
