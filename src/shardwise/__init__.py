@@ -36,6 +36,8 @@ _EXPORTS = {
     "tp_register": "parallel.tensor.registration",
     "tp_register_with_module": "parallel.tensor.registration",
     "model_creation": "nn.creation",
+    "partition": "parallel.pipeline.placement",
+    "set_partition": "parallel.pipeline.placement",
     "ConfigMismatchError": "runtime.agreement",
     "init": "runtime.init",
     "shutdown": "runtime.init",

@@ -28,6 +28,7 @@ from ..parallel.compose import parallelize
 from ..parallel.materialize import has_meta
 from ..parallel.pipeline.stage import Elsewhere
 from ..parallel.strategy import OptimizerUpdate
+from ..nn import huggingface  # noqa: F401  (registers SMP's Hugging Face stand-ins, which replace_registered uses)
 from ..parallel.tensor import PlanLike, replace_registered
 from ..parallel.wrap import known_blocks
 from ..runtime.init import warn_ineffective
