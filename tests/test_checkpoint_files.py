@@ -405,16 +405,20 @@ def test_a_larger_world_says_which_random_streams_it_could_not_restore(tmp_path)
 
 
 def model_config_in_user_content(path: str) -> str:
-    """Training scripts keep their Hugging Face model config in user_content (SMP's examples do): it comes back
-    without trusted_user_content, while other objects still need it."""
+    """Training scripts keep their Hugging Face model config and NumPy counts in user_content (SMP's examples
+    do): they come back without trusted_user_content, while other objects still need it."""
+    import numpy
     from transformers import GPT2Config
 
     model, optimizer, _ = setup({})
-    sw.save_checkpoint(path, "config", user_content={"model_config": GPT2Config(n_layer=3), "step": 1})
+    sw.save_checkpoint(path, "config", user_content={"model_config": GPT2Config(n_layer=3), "step": numpy.int64(1),
+                                                     "rate": numpy.float32(0.5)})
     content = sw.resume_from_checkpoint(path)
     sw.shutdown()
-    return f"{type(content['model_config']).__name__} {content['model_config'].n_layer} {content['step']}"
+    return (f"{type(content['model_config']).__name__} {content['model_config'].n_layer} {content['step']!r} "
+            f"{content['rate']!r}")
 
 
-def test_a_hugging_face_config_in_user_content_loads_weights_only(tmp_path):
-    assert run_distributed(model_config_in_user_content, 1, str(tmp_path), timeout=300) == ["GPT2Config 3 1"]
+def test_a_hugging_face_config_and_numpy_scalars_in_user_content_load_weights_only(tmp_path):
+    assert run_distributed(model_config_in_user_content, 1, str(tmp_path), timeout=300) == [
+        "GPT2Config 3 np.int64(1) np.float32(0.5)"]

@@ -125,19 +125,12 @@ def batch_losses(output: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in re.findall(r"Batch (\d+) Loss: ([^,\s]+),", output)}
 
 
-SEQ_LAYERS = ("model_creation(tensor_parallelism=True) keeps the Hugging Face blocks instead of SMP's "
-              "nn.DistributedTransformerLMHead, so the script's `transformer.seq_layers` is missing")
 EXAMPLE_CASES = [
-    pytest.param(GPT2_TENSOR_PARALLEL, id="gpt2-tensor-parallel-fp16-zero1", marks=pytest.mark.xfail(
-        strict=False, reason=f"{SEQ_LAYERS}; smp.set_partition; DistributedOptimizer.clip_master_grads and "
-                             ".overflow")),
-    pytest.param(GPT2_SHARDED_DATA_PARALLEL, id="gpt2-sharded-data-parallel-bf16-delayed-init", marks=pytest.mark.xfail(
-        strict=False, reason="init(dict) refuses skip_tracing=False where the launcher's config sets true (in SMP "
-                             f"the estimator's parameters override the script's); {SEQ_LAYERS}")),
+    pytest.param(GPT2_TENSOR_PARALLEL, id="gpt2-tensor-parallel-fp16-zero1"),
+    pytest.param(GPT2_SHARDED_DATA_PARALLEL, id="gpt2-sharded-data-parallel-bf16-delayed-init"),
     pytest.param(GPTJ_TENSOR_PARALLEL, id="gptj-tensor-parallel-fp16-prescaled", marks=pytest.mark.xfail(
-        strict=False, reason="nn.huggingface.gptj.translate_hf_gptj_state_dict_to_smdistributed; "
-                             f"{SEQ_LAYERS} (reached as model.module.module[.module]); no tensor-parallel plan for "
-                             "Hugging Face GPT-J; DistributedOptimizer.clip_master_grads and .overflow")),
+        strict=False, reason="no stand-in for Hugging Face GPT-J, so the script's `transformer.seq_layers` is "
+                             "missing (reached as model.module.module[.module])")),
 ]
 
 
@@ -158,7 +151,9 @@ def test_smp_example_trains_saves_and_resumes(example: Example, tmp_path: Path):
     if example.hyperparameters["save_final_full_model"]:  # the notebook also asks for the full model at the end
         assert (tmp_path / "model" / "fullmodel.pt").exists()
 
-    second = run_example(example, tmp_path, "resumed", max_steps=RESUMED_STEPS, load_partial=1)
+    # Checkpointing every 8 steps from 24, the resumed run saves once more, at its last step.
+    second = run_example(example, tmp_path, "resumed", max_steps=RESUMED_STEPS, load_partial=1,
+                         checkpoint_freq=RESUMED_STEPS - SAVED_AT)
     assert f"Resuming from saved batch index {SAVED_AT}" in second, second[-3000:]
     resumed = batch_losses(second)
     assert sorted(resumed) == list(range(SAVED_AT, RESUMED_STEPS)), second[-3000:]

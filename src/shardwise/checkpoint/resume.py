@@ -25,7 +25,7 @@ from .contents import META, MODEL, OPTIMIZER, RNG, held_as, parameter_names, res
 from .coordination import agree, checkpoint_group, wait_for_pending_save
 from .directory import USER_CONTENT, CheckpointError, read_manifest, resolve
 from .sources import FullSource, PartialSource, Stored, put, under
-from .storage import model_configs, verify
+from .storage import plain_data_globals, verify
 
 
 def resume_from_checkpoint(path: str, tag: Optional[str] = None, partial: bool = True, strict: bool = True,
@@ -80,7 +80,7 @@ def _user_content(directory: Path, trusted: bool) -> Any:
     if not file.is_file():
         raise CheckpointError(f"{file} is missing from the checkpoint")
     try:
-        with torch.serialization.safe_globals(model_configs(file)):
+        with torch.serialization.safe_globals(plain_data_globals(file)):
             return torch.load(file, map_location="cpu", weights_only=not trusted)
     except Exception as error:
         raise CheckpointError(f"{file} holds objects weights-only loading refuses "

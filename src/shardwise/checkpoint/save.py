@@ -30,7 +30,7 @@ from .coordination import agree, checkpoint_group, wait_for_pending_save
 from .directory import (MODEL_FILE, TRAINING_FILE, USER_CONTENT, CheckpointError, check_tag, newest_tag, prune, publish,
                         start_writing, write_manifest, writing_dir)
 from .sources import read_everything
-from .storage import checksums, failure_message, model_configs
+from .storage import checksums, failure_message, plain_data_globals
 
 _DCP_DIR = "dcp"  # inside a full checkpoint's staging directory, removed once consolidated
 
@@ -74,7 +74,7 @@ def _prepare(root: Path, tag: str, user_content: Any) -> Path:
     staging = start_writing(root, tag)
     torch.save(user_content, staging / USER_CONTENT)
     try:
-        with torch.serialization.safe_globals(model_configs(staging / USER_CONTENT)):
+        with torch.serialization.safe_globals(plain_data_globals(staging / USER_CONTENT)):
             torch.load(staging / USER_CONTENT, weights_only=True)
     except Exception as error:
         warnings.warn(f"user_content holds objects weights-only loading refuses ({str(error).splitlines()[0][:120]}"

@@ -157,21 +157,37 @@ def verify(directory: Path, expected: dict[str, str]) -> None:
             raise CheckpointError(f"{file} is {what} since it was saved; the checkpoint is damaged")
 
 
-def model_configs(file: Path) -> list[type]:
-    """The Hugging Face config classes `file` holds, when those are all it holds beyond weights-only types:
-    plain data that training scripts keep in `user_content` (SMP's examples do), rebuilt without running code."""
-    classes = []
-    for name in torch.serialization.get_unsafe_globals_in_checkpoint(file):
-        module, _, attribute = name.rpartition(".")
-        if not module.startswith("transformers."):
-            return []
-        try:
-            from transformers import PretrainedConfig
+def plain_data_globals(file: Path) -> list[Any]:
+    """The classes beyond weights-only types that `file` needs, when all are plain data training scripts keep in
+    `user_content` (SMP's examples keep a Hugging Face config and NumPy counts there), rebuilt without running
+    code: Hugging Face config classes, NumPy scalars and dtypes. Anything else: none, so loading refuses."""
+    found = [_plain_data(name) for name in torch.serialization.get_unsafe_globals_in_checkpoint(file)]
+    if any(value is None for value in found):
+        return []
+    if any(getattr(value, "__module__", "").startswith("numpy") for value in found):
+        import numpy  # a pickled dtype is rebuilt as its concrete class (Int64DType, ...), not named in the file
 
-            found = getattr(importlib.import_module(module), attribute, None)
-        except ImportError:
-            return []
-        if not (isinstance(found, type) and issubclass(found, PretrainedConfig)):
-            return []
-        classes.append(found)
-    return classes
+        found += [getattr(numpy.dtypes, name) for name in numpy.dtypes.__all__]
+    return found
+
+
+def _plain_data(name: str) -> Any:
+    module, _, attribute = name.rpartition(".")
+    if not (module.startswith("transformers.") or module in _NUMPY_DATA):
+        return None
+    try:
+        found = getattr(importlib.import_module(module), attribute, None)
+    except ImportError:
+        return None
+    if module in _NUMPY_DATA:
+        import numpy
+
+        return found if found is numpy._core.multiarray.scalar or (
+            isinstance(found, type) and issubclass(found, numpy.dtype)) else None
+    from transformers import PretrainedConfig
+
+    return found if isinstance(found, type) and issubclass(found, PretrainedConfig) else None
+
+
+# Where NumPy's pickles of scalars and dtypes name their globals (torch's weights-only docs allowlist these).
+_NUMPY_DATA = ("numpy._core.multiarray", "numpy.core.multiarray", "numpy", "numpy.dtypes")
