@@ -12,7 +12,7 @@ with one plain PyTorch process training on the same global batches:
   see tiny_models.py for why Adam would amplify rounding noise).
 
 Each run also checks, on every rank: which ranks hold the loss (`StepOutput.holds_loss`)
-and that the others get an empty `StepOutput` whose reductions are None; an
+and that every other rank of its pipeline gets the same losses (SMP delivered them); an
 evaluation `@step` under `torch.no_grad()` before and after training (its loss
 equals the reference's first loss, and at the end that of a plain model loaded
 from `full_state_dict()`); that `state_dict()` names are those of the unsplit
@@ -71,7 +71,7 @@ def train_kind(kind: str, checkpointing: bool = False) -> dict:
         opt.zero_grad()
         out = train_step(model, inputs, targets)
         outputs.append(out)
-        losses.append(out.reduce_mean().item() if out.holds_loss else None)
+        losses.append(out.reduce_mean().item())  # the last stage's loss, on every rank of its pipeline
         opt.step()
     with torch.no_grad():
         last = eval_step(model, *batches[-1])
@@ -82,8 +82,7 @@ def train_kind(kind: str, checkpointing: bool = False) -> dict:
         plain_last = loss_fn(kind, plain, *batches[-1]).item()
     return {
         "kind": kind, "pp_rank": sw.pp_rank(), "holds": [o.holds_loss for o in outputs + [first, last]],
-        "empty": [(len(o), o.reduce_mean(), o.reduce_sum(), o.concat(), o.stack())
-                  for o in outputs if not o.holds_loss],
+        "replica": (sw.dp_rank(), sw.tp_rank()),
         "losses": losses, "eval": (first.reduce_mean().item(), last.reduce_mean().item(), plain_last)
         if last.holds_loss else None,
         "state": state, "initial": initial, "keys": sorted(model.sharded_state_dict()), "held": held,
@@ -107,12 +106,14 @@ def _loss_rank(config: dict) -> int:
 
 
 def holders(config: dict, per_kind: tuple[dict, ...]) -> list[dict]:
-    """The last stage's ranks; every rank's StepOutputs say whether it is one, the others' are empty."""
+    """The last stage's ranks; every rank's StepOutputs say whether it is one, and every rank of a pipeline got
+    its last stage's losses."""
     found = [r for r in per_kind if r["pp_rank"] == _loss_rank(config)]
     assert len(found) == len(per_kind) // config["pipeline_parallel_degree"]
     for r in per_kind:
         assert all(h == (r in found) for h in r["holds"]), (r["kind"], r["pp_rank"], r["holds"])
-        assert all(e == (0, None, None, None, None) for e in r["empty"]), r["empty"]
+        own = next(f for f in found if f["replica"] == r["replica"])
+        assert r["losses"] == own["losses"], (r["pp_rank"], r["losses"], own["losses"])
     return found
 
 

@@ -9,15 +9,17 @@ reductions add up to the same gradients as one reduction at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ...runtime.state import current
-from ...torch_internals import tree_map
+from ...torch_internals import tree_flatten, tree_map, tree_unflatten
 from ..clipping import clip_grad_norm_
 from ..strategy import Pieces, Strategy
 from ..tensor import loss_context
@@ -25,6 +27,36 @@ from . import schedule as schedules
 from .calls import OutputsModel, call_with, capture
 from .stage import StageModule
 from .ties import TiedWeights
+
+
+class _NotHere:
+    """A step result this rank does not receive (a non-scalar tensor off pp rank 0 and the last stage)."""
+
+    def __repr__(self) -> str:
+        return "NOT_HERE"
+
+
+NOT_HERE = _NotHere()
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorLeaf:  # not a NamedTuple, which pytrees would open up
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def scalar(self) -> bool:
+        return self.shape.numel() == 1
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    """A result tensor as the wire carries it (a replicated DTensor, e.g. a vocabulary-parallel loss, whole)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _describe(value: Any) -> Any:
+    """What the other pp ranks learn of a result before it is sent: a tensor's shape and dtype, else itself."""
+    return _TensorLeaf(value.shape, value.dtype) if isinstance(value, torch.Tensor) else value
 
 
 class StageModules(nn.Module):
@@ -98,20 +130,47 @@ class PipelineParallel(Strategy):
                 # fp16: gradients arrive scaled; the scaler's scale exists only once it has scaled something
                 model.loss_scaler.scale(torch.zeros((), device=device))
             self.after_backward_passes()
-        return self._results_everywhere([results[i] for i in range(len(pieces))] if self.holds_loss else [],
-                                        len(pieces))
+        return self._results_everywhere([results[i] for i in range(len(pieces))] if self.holds_loss else [])
 
-    def _results_everywhere(self, results: list[Any], count: int) -> list[Any]:
-        """Per microbatch: `results` on the last stage; elsewhere the last stage's structure with a placeholder
-        (0) for each value but None, so that @step returns the same structure on every rank (one small
-        all-gather per step)."""
-        structure = (tree_map(lambda leaf: None if leaf is None else 0, results[0]),) if self.holds_loss else None
+    def _results_everywhere(self, results: list[Any]) -> list[Any]:
+        """Per microbatch, the step function's results on the last stage, delivered as SMP did: every value to
+        pp rank 0, where the script runs, and scalars (a loss) to every rank; elsewhere `NOT_HERE` stands for a
+        value this rank does not get. One small all-gather tells every rank the structure, then one broadcast
+        per scalar output and one send per other tensor to pp rank 0."""
+        described = [tree_map(_describe, result) for result in results] if self.holds_loss else None
         held: list[Any] = [None] * dist.get_world_size(self.pp_group)
-        dist.all_gather_object(held, structure, group=self.pp_group)
-        if self.holds_loss:
-            return results
-        skeleton = next(sent for sent in held if sent is not None)[0]
-        return [skeleton] * count
+        dist.all_gather_object(held, described, group=self.pp_group)
+        source = next(rank for rank, sent in enumerate(held) if sent is not None)
+        me = dist.get_group_rank(self.pp_group, dist.get_rank())
+        leaves = [tree_flatten(result) for result in held[source]]
+        mine = [tree_flatten(result)[0] for result in results] if self.holds_loss else None
+        delivered = []
+        for index, (described_leaves, spec) in enumerate(leaves):
+            values = []
+            for position, leaf in enumerate(described_leaves):
+                own = mine[index][position] if mine is not None else None
+                values.append(self._deliver(leaf, own, source, me))
+            delivered.append(tree_unflatten(values, spec))
+        return delivered
+
+    def _deliver(self, leaf: Any, own: Any, source: int, me: int) -> Any:
+        """One value of the last stage's results, as this rank gets it (see `_results_everywhere`)."""
+        if not isinstance(leaf, _TensorLeaf):
+            return own if me == source else leaf  # None, a number, a string: the gathered object is the value
+        if me == source:
+            tensor = _plain(own)
+        elif leaf.scalar or me == 0:
+            tensor = torch.empty(leaf.shape, dtype=leaf.dtype, device=current("@shardwise.step").device)
+        else:
+            return NOT_HERE
+        if leaf.scalar:
+            dist.broadcast(tensor, group=self.pp_group, group_src=source)
+        elif source != 0:
+            if me == source:
+                dist.send(tensor.contiguous(), group=self.pp_group, group_dst=0)
+            else:
+                dist.recv(tensor, group=self.pp_group, group_src=source)
+        return own if me == source else tensor
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function on the last stage: the user's function on microbatch `target`."""
