@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..parallel.pipeline.runner import NOT_HERE
 from ..parallel.strategy import Pieces
 from ..runtime.state import current
 from ..torch_internals import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
@@ -40,9 +41,10 @@ def _as_tensor(value: Any) -> torch.Tensor:
 class StepOutput:
     """One value a @step function returned, once per microbatch (`outputs`), with SMP's reductions.
 
-    Under pipeline parallelism only the ranks of the last stage run the loss, so
-    only they hold the results: elsewhere `holds_loss` is False, `outputs` is
-    empty and every reduction returns None.
+    Under pipeline parallelism only the ranks of the last stage compute the results
+    (`holds_loss`); as in SMP, pp rank 0 gets every value too and every other rank
+    the scalar ones (a loss). Where a value did not arrive `outputs` is empty and
+    every reduction returns None.
     """
 
     outputs: list[Any]  # SMP's attribute: the value of each microbatch, in order
@@ -53,7 +55,7 @@ class StepOutput:
         self.holds_loss = holds_loss
 
     def _combine(self, fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> Optional[torch.Tensor]:
-        if not self.holds_loss:
+        if not self.outputs:
             return None
         return fn([_as_tensor(value) for value in self.outputs])
 
@@ -163,8 +165,8 @@ def _outline(result: Any) -> str:
 def _step_outputs(results: list[Any], holds_loss: bool) -> Any:
     """The function's return structure with a StepOutput of the per-microbatch values at every leaf.
 
-    Off the last pipeline stage `results` carry the structure only, with placeholders for the values
-    (see PipelineParallel.run_step).
+    Off the last pipeline stage a value may be `NOT_HERE` (see PipelineParallel._results_everywhere): its
+    StepOutput is then empty.
     """
     flat = [tree_flatten(result) for result in results]
     spec = flat[0][1]
@@ -177,7 +179,7 @@ def _step_outputs(results: list[Any], holds_loss: bool) -> Any:
     def gathered(column: list[Any]) -> Optional[StepOutput]:
         if all(value is None for value in column):
             return None  # `return loss, None` keeps its None
-        return StepOutput(column) if holds_loss else StepOutput([], holds_loss=False)
+        return StepOutput([] if any(value is NOT_HERE for value in column) else column, holds_loss)
 
     return tree_unflatten([gathered([leaves[i] for leaves, _ in flat]) for i in range(len(flat[0][0]))], spec)
 
