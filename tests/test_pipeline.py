@@ -190,9 +190,10 @@ def test_schedules_compose_with_sharding_checkpointing_and_clipping(case):
 
 
 def test_manual_split_points_any_block_model_and_printed_partition():
-    """Manual split points on Hugging Face models and on a plain stack of blocks; rank 0 prints the cut."""
+    """Manual split points on Hugging Face models and on plain stacks of blocks (in an nn.ModuleList the forward
+    walks and in an nn.Sequential it calls); rank 0 prints the cut."""
     config = {**PP2, "microbatches": 2, "pipeline_split_points": [1]}
-    ranks = run_distributed(train_all, 2, config, kinds=("gpt2", "llama", "stack"), timeout=300)
+    ranks = run_distributed(train_all, 2, config, kinds=("gpt2", "llama", "stack", "sequential"), timeout=300)
     check(config, ranks)
     assert ranks[0][0]["printed"].splitlines() == [
         "pipeline partition of transformer.h (4 blocks) into 2 stages, at the configured split points:",
@@ -200,6 +201,7 @@ def test_manual_split_points_any_block_model_and_printed_partition():
         "  stage 1 (pp rank 1): transformer.h.1-3, transformer.ln_f, lm_head — 0.0423M params",
     ]
     assert "stage 1 (pp rank 1): blocks.1-3, norm, head" in ranks[0][2]["printed"]
+    assert "stage 1 (pp rank 1): blocks.1-3, norm, head" in ranks[0][3]["printed"]
     assert ranks[1][0]["printed"] == ""
 
 

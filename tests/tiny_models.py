@@ -86,8 +86,20 @@ class TinyStack(nn.Module):
         return {"logits": self.head(self.norm(x))}
 
 
-BUILDERS = {"gpt2": tiny_gpt2, "vit": tiny_vit, "llama": tiny_llama, "bert": tiny_bert, "stack": TinyStack}
-TEXT = ("gpt2", "llama", "bert", "stack")  # token models: token data; next-token loss but BERT's, per token
+class SequentialStack(TinyStack):
+    """TinyStack with its blocks in an nn.Sequential, which the forward calls once."""
+
+    def __init__(self, layers: int = 2, hidden: int = 32):
+        super().__init__(layers, hidden)
+        self.blocks = nn.Sequential(*self.blocks)
+
+    def forward(self, ids: torch.Tensor) -> dict:
+        return {"logits": self.head(self.norm(self.blocks(self.embed(ids))))}
+
+
+BUILDERS = {"gpt2": tiny_gpt2, "vit": tiny_vit, "llama": tiny_llama, "bert": tiny_bert, "stack": TinyStack,
+            "sequential": SequentialStack}
+TEXT = ("gpt2", "llama", "bert", "stack", "sequential")  # token models: token data; next-token loss but BERT's, per token
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
@@ -98,7 +110,7 @@ def blocks(model: nn.Module) -> nn.ModuleList:
         return model.model.layers
     if hasattr(model, "bert"):
         return model.bert.encoder.layer
-    if hasattr(model, "blocks"):  # TinyStack
+    if hasattr(model, "blocks"):  # TinyStack, SequentialStack
         return model.blocks
     vit = model.vit
     return vit.layers if hasattr(vit, "layers") else vit.encoder.layer

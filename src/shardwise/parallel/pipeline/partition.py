@@ -2,7 +2,7 @@
 
 A model is cut along its one list of repeated blocks: the `ModuleList` of the
 blocks a Hugging Face model names in `_no_split_modules`, else the largest list
-of same-type modules. Modules with parameters registered before that list
+of same-type modules (an `nn.ModuleList`, or an `nn.Sequential` the forward calls). Modules with parameters registered before that list
 (embeddings) belong to the first stage, those registered after it (final norm,
 head) to the last; modules without parameters (rotary tables, dropout) run on
 every stage. Blocks placed by hand (placement.py) stay where they were placed.
@@ -60,9 +60,12 @@ class Partition:
         return "\n".join(lines)
 
 
-def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Lists of same-type blocks: an `nn.ModuleList` the forward walks, or an `nn.Sequential` of two or more
+    that it calls (which runs its blocks in turn, passing one value)."""
     lists = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
+             if (isinstance(m, nn.ModuleList) and len(m) or isinstance(m, nn.Sequential) and len(m) > 1)
+             and len({type(c) for c in m}) == 1]
     hf_names = set(getattr(model, "_no_split_modules", None) or [])
     preferred = [(name, m) for name, m in lists if type(m[0]).__name__ in hf_names]
     return preferred or lists
@@ -77,7 +80,7 @@ def find_blocks(model: nn.Module) -> Blocks:
     lists = _block_lists(model)
     if not lists:
         raise ValueError(f"pipeline parallelism needs a sequence of repeated blocks (an nn.ModuleList of same-type "
-                         f"modules), and {type(model).__name__} has none")
+                         f"modules, or an nn.Sequential of two or more), and {type(model).__name__} has none")
     path, blocks = max(lists, key=lambda item: _count(item[1]))
     before: list[list[str]] = []  # per depth, outermost first
     after: list[list[str]] = []
