@@ -161,6 +161,26 @@ def test_module_argument_errors_name_the_fix():
         DistributedTransformerOutputLayer(HIDDEN, INNER, fused_bias_gelu=True)
 
 
+def test_gptj_option_errors_name_the_fix():
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    for rotary_dim in (3, 2 * HEAD):
+        with pytest.raises(ValueError, match=f"rotary_dim={rotary_dim} does not fit; fix: give self-attention an "
+                                             f"even rotary_dim of at most attention_head_size={HEAD}, or 0"):
+            DistributedAttentionLayer(**SIZES, rotary_dim=rotary_dim)
+    with pytest.raises(ValueError, match="parallel_attn_output and rotary_dim take no cross attention; fix: drop"):
+        DistributedTransformerLayer(**SIZES, add_cross_attention=True, parallel_attn_output=True)
+    with pytest.raises(ValueError, match="use_lm_head_bias=True needs an untied head; fix: set "
+                                         "tie_input_output_embedding=False"):
+        DistributedTransformerLMHead(use_lm_head_bias=True)
+    with sw.tensor_parallelism():
+        tied = GPTJForCausalLM(GPTJConfig(n_layer=1, n_embd=HIDDEN, n_head=HEADS, rotary_dim=HEAD, vocab_size=VOCAB,
+                                          n_positions=SEQ, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(ValueError, match="GPT-J with tie_word_embeddings=True has no stand-in .*; fix: set "
+                                         "tie_word_embeddings=False"):
+        replace_registered(tied)
+
+
 def test_transformer_layer_and_stack_pass_smps_tuples():
     torch.manual_seed(0)
     layer = DistributedTransformerLayer(**SIZES, intermediate_size=INNER, add_cross_attention=True)
@@ -222,26 +242,48 @@ def test_lm_head_translates_into_hugging_face_gpt2():
     assert all(torch.equal(back[key], value) for key, value in head.state_dict().items())
 
 
-def test_gpt2_built_for_tensor_parallelism_is_replaced_by_the_lm_head_and_called_as_before():
-    """SMP's stand-in: built for tensor parallelism, a GPT2LMHeadModel becomes a
-    DistributedTransformerLMHead with `transformer.seq_layers`, takes Hugging Face's call and gives its output
-    (loss and logits equal to the original's with the same weights); one built outside is kept."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _hugging_face_family(family: str) -> tuple:
+    """(model class, a small config, translation in, translation out, name in errors) of a stand-in's family."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTJConfig, GPTJForCausalLM
 
-    config = GPT2Config(n_layer=2, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+    sizes = dict(n_layer=2, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return {"gpt2": (GPT2LMHeadModel, GPT2Config(**sizes), gpt2.translate_hf_state_dict_to_smdistributed_gpt2,
+                     gpt2.translate_state_dict_to_hf_gpt2, "GPT-2"),
+            # rotary on half of each head: turned and passed dims both count
+            "gptj": (GPTJForCausalLM, GPTJConfig(**sizes, rotary_dim=HEAD // 2),
+                     gptj.translate_hf_state_dict_to_smdistributed_gptj, gptj.translate_state_dict_to_hf_gptj,
+                     "GPT-J")}[family]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gptj"])
+def test_hugging_face_model_built_for_tensor_parallelism_is_replaced_by_the_lm_head_and_called_as_before(family):
+    """SMP's stand-ins: built for tensor parallelism, a GPT2LMHeadModel or GPTJForCausalLM becomes a
+    DistributedTransformerLMHead with `transformer.seq_layers`, takes Hugging Face's call and gives its output
+    (loss and logits equal to the original's with the same weights, with padding, at default and at given
+    positions); its state dict translates back to the original's exactly; one built outside is kept."""
+    kind, config, to_smp, to_hf, name = _hugging_face_family(family)
     with sw.tensor_parallelism():  # what model_creation(tensor_parallelism=True) marks by, without init
-        marked = GPT2LMHeadModel(config)
-    plain = GPT2LMHeadModel(config)
+        marked = kind(config)
+    plain = kind(config)
     stand_in = replace_registered(marked)
     assert isinstance(stand_in, DistributedTransformerLMHead) and len(stand_in.transformer.seq_layers) == 2
     assert replace_registered(plain) is plain
-    stand_in.load_state_dict(gpt2.translate_hf_state_dict_to_smdistributed_gpt2(plain.state_dict()), strict=True)
+    stand_in.load_state_dict(to_smp(plain.state_dict()), strict=True)
     ids, attention = torch.randint(0, VOCAB, (2, SEQ)), torch.ones(2, SEQ, dtype=torch.long)
-    attention[1, -2:] = 0
-    got, expected = (m(input_ids=ids, attention_mask=attention, labels=ids) for m in (stand_in, plain))
-    assert _close(got["loss"], expected.loss) and _close(got.logits, expected.logits)
-    with pytest.raises(ValueError, match="the GPT-2 stand-in takes input_ids, attention_mask, position_ids and "
+    attention[1, -2:] = 0  # right padding: every query keeps a key, so masked values agree however large
+    for positions in ({}, {"position_ids": torch.randint(0, SEQ, (2, SEQ))}):
+        got, expected = (m(input_ids=ids, attention_mask=attention, labels=ids, **positions)
+                         for m in (stand_in, plain))
+        assert _close(got["loss"], expected.loss) and _close(got.logits, expected.logits)
+    original = plain.state_dict()
+    back = to_hf(stand_in.state_dict())
+    assert back.keys() == original.keys() and all(torch.equal(back[key], original[key]) for key in original)
+    assert to_hf(original).keys() == original.keys()  # Hugging Face's keys pass through
+    again = to_smp(back)
+    assert again.keys() == stand_in.state_dict().keys()
+    assert all(torch.equal(again[key], value) for key, value in stand_in.state_dict().items())
+    with pytest.raises(ValueError, match=f"the {name} stand-in takes input_ids, attention_mask, position_ids and "
                                          "labels, not inputs_embeds; fix"):
         stand_in(inputs_embeds=torch.randn(2, SEQ, HIDDEN))
 
@@ -268,12 +310,24 @@ def test_transformer_translates_into_hugging_face_encoders(family):
     assert to_smp(model.state_dict()).keys() == model.state_dict().keys()
 
 
-def test_gptj_and_gptneo_translations_are_the_identity():
-    state = {"transformer.h.0.attn.q_proj.weight": torch.ones(1)}
-    for translated in (gptj.translate_state_dict_to_hf_gptj(state, 8),
-                       gptj.translate_hf_state_dict_to_smdistributed_gptj(state),
-                       gptj.translate_hf_gptj_state_dict_to_smdistributed_gptj(state),
-                       gptneo.translate_state_dict_to_hf_gptneo(state),
+def test_gptj_translations_keep_smps_names_and_prefixes():
+    """SMP's GPT-J example imports the older name (with `max_seq_len`), its developer guide spells another; a
+    `DistributedModel`'s prefix stays; `ln_f` is the last layer's norm; the old causal-mask buffers go."""
+    hf = dict.fromkeys(["module.transformer.h.0.attn.q_proj.weight", "module.transformer.h.1.ln_1.bias",
+                        "module.transformer.ln_f.weight", "module.transformer.wte.weight", "module.lm_head.bias",
+                        "module.transformer.h.0.attn.bias"], torch.ones(1))
+    translated = gptj.translate_hf_gptj_state_dict_to_smdistributed(hf, max_seq_len=SEQ)
+    assert list(translated) == ["module.transformer.seq_layers.0.attention.query.weight",
+                                "module.transformer.seq_layers.1.pre_layernorm.bias",
+                                "module.transformer.seq_layers.1.layernorm.weight", "module.word_embedding.weight",
+                                "module.lm_head.bias"]
+    assert gptj.translate_hf_gptj_state_dict_to_smdistributed_gptj(hf) == translated
+    assert list(gptj.translate_state_dict_to_hf_gptj(translated, max_seq_len=SEQ)) == list(hf)[:-1]
+
+
+def test_gptneo_translations_are_the_identity():
+    state = {"transformer.h.0.attn.attention.q_proj.weight": torch.ones(1)}
+    for translated in (gptneo.translate_state_dict_to_hf_gptneo(state, 8),
                        gptneo.translate_hf_state_dict_to_smdistributed_gptneo(state)):
         assert translated == state and translated is not state
 

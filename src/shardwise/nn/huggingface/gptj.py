@@ -1,26 +1,121 @@
-"""GPT-J: kept a Hugging Face model under shardwise, so both translations are the identity.
+"""GPT-J: SMP's `DistributedTransformerLMHead` (rotary, parallel attention and MLP) stood in for `GPTJForCausalLM`.
 
-SMP stood its `DistributedTransformerLMHead` in for GPT-J with options SMP did not
-document (rotary or local attention, bias-free projections), which `shardwise.nn`'s
-modules therefore do not take: there is no shardwise layout to translate from.
+As in SMP, a `GPTJForCausalLM` built under `sw.model_creation(tensor_parallelism=True)`
+(or `sw.tensor_parallelism()`) is replaced by one when `DistributedModel` wraps it
+(`stand_in`), whatever the tensor-parallel degree, and is called as before:
+`model(input_ids=..., attention_mask=..., labels=...)` gives an output with `loss`
+and `logits`. Its state dict is in SMP's layout, which these functions translate.
+
+Layouts: `word_embedding` ↔ `transformer.wte`; layer i's `pre_layernorm` ↔ `h.i.ln_1`
+(one norm for attention and MLP), `attention.query/key/value/dense` ↔
+`attn.q_proj/k_proj/v_proj/out_proj`, `output.dense1/dense2` ↔ `mlp.fc_in/fc_out`;
+the last layer's `layernorm` ↔ `transformer.ln_f`; `lm_head` ↔ `lm_head` (untied,
+with a bias). Both sides are nn.Linear, so weights keep their storage.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
-from .layout import StateDict, identity
+import torch
+
+from ...parallel.tensor.registration import Registration
+from ..lm_head import DistributedTransformerLMHead
+from .gpt2 import _IGNORED
+from .layout import StateDict, renamed
+
+_LAYER_PARTS = {  # SMP's name in layer i -> GPT-J's name in block i
+    "pre_layernorm": "ln_1",
+    "attention.query": "attn.q_proj",
+    "attention.key": "attn.k_proj",
+    "attention.value": "attn.v_proj",
+    "attention.dense": "attn.out_proj",
+    "output.dense1": "mlp.fc_in",
+    "output.dense2": "mlp.fc_out",
+}
+_SMP_LAYER = re.compile(r"(?:^|\.)transformer\.seq_layers\.(\d+)\.")
+_HF_LAYER = re.compile(r"(?:^|\.)transformer\.h\.(\d+)\.")
+_HF_BUFFERS = re.compile(r"\.attn\.(bias|masked_bias)$")  # causal-mask buffers older transformers saved
+
+
+def _last_layer(state_dict: StateDict, layer: re.Pattern) -> Optional[int]:
+    return max((int(found.group(1)) for found in map(layer.search, state_dict) if found), default=None)
 
 
 def translate_state_dict_to_hf_gptj(state_dict: StateDict, max_seq_len: Optional[int] = None) -> dict[str, Any]:
-    """The identity (see module docstring); `max_seq_len` is taken for SMP's signature."""
-    return identity(state_dict)
+    """A `DistributedTransformerLMHead` state dict as `GPTJForCausalLM`'s (see module docstring); keys already
+    Hugging Face's pass through. `max_seq_len` sized the causal-mask buffers older transformers kept in the
+    state dict; the installed one keeps none."""
+    last = _last_layer(state_dict, _SMP_LAYER)
+    final_norm = [] if last is None else [(rf"transformer\.seq_layers\.{last}\.layernorm\.", "transformer.ln_f.")]
+    return renamed(state_dict, [*final_norm, (r"(?<!\w)word_embedding\.", "transformer.wte."), *(
+        (rf"transformer\.seq_layers\.(\d+)\.{re.escape(smp)}\.", rf"transformer.h.\1.{hf}.")
+        for smp, hf in _LAYER_PARTS.items())])
 
 
 def translate_hf_state_dict_to_smdistributed_gptj(state_dict: StateDict) -> dict[str, Any]:
-    """The identity: a `DistributedModel` of a Hugging Face GPT-J keeps its names."""
-    return identity(state_dict)
+    """A `GPTJForCausalLM` state dict (from Hugging Face or `translate_state_dict_to_hf_gptj`) in SMP's layout,
+    to load into the stand-in; keys in neither layout pass through, the old causal-mask buffers are dropped."""
+    kept = {key: value for key, value in state_dict.items() if not _HF_BUFFERS.search(key)}
+    last = _last_layer(kept, _HF_LAYER)
+    final_norm = f"transformer.seq_layers.{0 if last is None else last}.layernorm."
+    return renamed(kept, [(r"transformer\.ln_f\.", final_norm),
+                          (r"transformer\.wte\.", "word_embedding."), *(
+        (rf"transformer\.h\.(\d+)\.{re.escape(hf)}\.", rf"transformer.seq_layers.\1.{smp}.")
+        for smp, hf in _LAYER_PARTS.items())])
+
+
+def translate_hf_gptj_state_dict_to_smdistributed(state_dict: StateDict,
+                                                  max_seq_len: Optional[int] = None) -> dict[str, Any]:
+    """SMP's older name, which its GPT-J example imports; `max_seq_len` is taken for its signature."""
+    return translate_hf_state_dict_to_smdistributed_gptj(state_dict)
 
 
 # The spelling of SMP's developer guide.
 translate_hf_gptj_state_dict_to_smdistributed_gptj = translate_hf_state_dict_to_smdistributed_gptj
+
+
+def _arguments(config: Any) -> tuple[tuple, dict[str, Any]]:
+    """`DistributedTransformerLMHead`'s arguments for a `GPTJConfig`: the same model, its weights drawn anew."""
+    if config.tie_word_embeddings:
+        raise ValueError("GPT-J with tie_word_embeddings=True has no stand-in (its head has a bias of its own); "
+                         "fix: set tie_word_embeddings=False, or build it outside "
+                         "sw.model_creation(tensor_parallelism=True) to keep Hugging Face's modules")
+    heads, width = config.n_head, config.n_embd
+    return (), dict(num_layers=config.n_layer, num_attention_heads=heads, attention_head_size=width // heads,
+                    hidden_size=width, intermediate_size=config.n_inner or 4 * width, vocab_size=config.vocab_size,
+                    num_positions=config.n_positions, attention_dropout_prob=config.attn_pdrop,
+                    hidden_dropout_prob=config.resid_pdrop, embedding_dropout_prob=config.embd_pdrop,
+                    activation=config.activation_function, layernorm_epsilon=config.layer_norm_epsilon,
+                    causal_mask_size=config.n_positions, initializer_range=config.initializer_range,
+                    use_normal_initialization=True, pre_layernorm=True, post_layernorm=True,
+                    parallel_attn_output=True, rotary_dim=config.rotary_dim or width // heads,
+                    use_positional_embedding=False, use_qkv_bias=False, use_attn_dense_bias=False,
+                    tie_input_output_embedding=False, use_lm_head_bias=True)
+
+
+def _inputs(input_ids: Optional[torch.Tensor] = None, *args: Any, attention_mask: Optional[torch.Tensor] = None,
+            position_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+            **others: Any) -> tuple[tuple, dict]:
+    """`GPTJForCausalLM.forward`'s arguments as the stand-in's one tuple; what it cannot take is refused."""
+    given = [name for name, value in others.items() if value is not None and name not in _IGNORED] + (
+        ["positional arguments after input_ids"] if args else [])
+    if given:
+        raise ValueError(f"the GPT-J stand-in takes input_ids, attention_mask, position_ids and labels, not "
+                         f"{', '.join(given)}; fix: pass those by name, or build the model outside "
+                         "sw.model_creation(tensor_parallelism=True)")
+    return ((input_ids, attention_mask, None, position_ids, labels),), {}
+
+
+def _output(result: Any) -> Any:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    loss, logits = result if isinstance(result, tuple) else (None, result)
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def stand_in() -> Registration:
+    """SMP's stand-in for `GPTJForCausalLM` (see module docstring)."""
+    return Registration(DistributedTransformerLMHead, _arguments, _inputs, _output,
+                        arguments=lambda model: ((model.config,), {}), to_original=translate_state_dict_to_hf_gptj)
