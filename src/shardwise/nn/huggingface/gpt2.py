@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ...parallel.tensor.registration import Registration
-from ..lm_head import DistributedTransformerLMHead
+from .causal_lm import causal_lm_stand_in
 from .layout import StateDict
 
 _EMBEDDINGS = {"word_embedding": "transformer.wte", "position_embedding": "transformer.wpe"}
@@ -126,31 +126,6 @@ def _arguments(config: Any) -> tuple[tuple, dict[str, Any]]:
                     pre_layernorm=True, post_layernorm=True)
 
 
-def _inputs(input_ids: Optional[torch.Tensor] = None, *args: Any, attention_mask: Optional[torch.Tensor] = None,
-            position_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-            **others: Any) -> tuple[tuple, dict]:
-    """`GPT2LMHeadModel.forward`'s arguments as the stand-in's one tuple; what it cannot take is refused."""
-    given = [name for name, value in others.items() if value is not None and name not in _IGNORED] + (
-        ["positional arguments after input_ids"] if args else [])
-    if given:
-        raise ValueError(f"the GPT-2 stand-in takes input_ids, attention_mask, position_ids and labels, not "
-                         f"{', '.join(given)}; fix: pass those by name, or build the model outside "
-                         "sw.model_creation(tensor_parallelism=True)")
-    return ((input_ids, attention_mask, None, position_ids, labels),), {}
-
-
-# Switches of Hugging Face's forward that do not change a training step's loss and logits.
-_IGNORED = ("use_cache", "return_dict", "output_attentions", "output_hidden_states", "logits_to_keep")
-
-
-def _output(result: Any) -> Any:
-    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
-
-    loss, logits = result if isinstance(result, tuple) else (None, result)
-    return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
-
-
 def stand_in() -> Registration:
     """SMP's stand-in for `GPT2LMHeadModel` (see module docstring)."""
-    return Registration(DistributedTransformerLMHead, _arguments, _inputs, _output,
-                        arguments=lambda model: ((model.config,), {}), to_original=translate_state_dict_to_hf_gpt2)
+    return causal_lm_stand_in("GPT-2", _arguments, "CausalLMOutputWithCrossAttentions", translate_state_dict_to_hf_gpt2)

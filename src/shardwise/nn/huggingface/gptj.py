@@ -18,11 +18,9 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-import torch
 
 from ...parallel.tensor.registration import Registration
-from ..lm_head import DistributedTransformerLMHead
-from .gpt2 import _IGNORED
+from .causal_lm import causal_lm_stand_in
 from .layout import StateDict, renamed
 
 _LAYER_PARTS = {  # SMP's name in layer i -> GPT-J's name in block i
@@ -95,27 +93,6 @@ def _arguments(config: Any) -> tuple[tuple, dict[str, Any]]:
                     tie_input_output_embedding=False, use_lm_head_bias=True)
 
 
-def _inputs(input_ids: Optional[torch.Tensor] = None, *args: Any, attention_mask: Optional[torch.Tensor] = None,
-            position_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-            **others: Any) -> tuple[tuple, dict]:
-    """`GPTJForCausalLM.forward`'s arguments as the stand-in's one tuple; what it cannot take is refused."""
-    given = [name for name, value in others.items() if value is not None and name not in _IGNORED] + (
-        ["positional arguments after input_ids"] if args else [])
-    if given:
-        raise ValueError(f"the GPT-J stand-in takes input_ids, attention_mask, position_ids and labels, not "
-                         f"{', '.join(given)}; fix: pass those by name, or build the model outside "
-                         "sw.model_creation(tensor_parallelism=True)")
-    return ((input_ids, attention_mask, None, position_ids, labels),), {}
-
-
-def _output(result: Any) -> Any:
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    loss, logits = result if isinstance(result, tuple) else (None, result)
-    return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-
 def stand_in() -> Registration:
     """SMP's stand-in for `GPTJForCausalLM` (see module docstring)."""
-    return Registration(DistributedTransformerLMHead, _arguments, _inputs, _output,
-                        arguments=lambda model: ((model.config,), {}), to_original=translate_state_dict_to_hf_gptj)
+    return causal_lm_stand_in("GPT-J", _arguments, "CausalLMOutputWithPast", translate_state_dict_to_hf_gptj)
