@@ -933,10 +933,12 @@ def main():
     else:
         m = model
 
+    # shardwise: `m.module.module` walked SMP's internal wrappers (one more under fp16), which its documentation
+    # never named; `model.get_module()` is the documented way to the user's (here the stand-in's) module.
     if args.use_distributed_transformer > 0:
-        transformer_layers = m.module.module.transformer.seq_layers
+        transformer_layers = model.get_module().transformer.seq_layers
     else:
-        transformer_layers = m.module.module.transformer.h
+        transformer_layers = model.get_module().transformer.h
 
     if args.manual_partition:
         print(f"Manual partition enabled")
