@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..parallel.activation_offload import first_step_check
 from ..parallel.pipeline.runner import NOT_HERE
 from ..parallel.strategy import Pieces
 from ..runtime.state import current
@@ -239,7 +240,8 @@ def _decorate(fn: Callable[..., Any], split: _BatchSplit, detach_outputs: bool) 
             finally:
                 runtime.microbatch = None
 
-        results = models[0].run_step(per_microbatch, pieces, around)
+        with first_step_check(runtime):
+            results = models[0].run_step(per_microbatch, pieces, around)
         return _step_outputs(results, models[0].holds_loss)
 
     return run

@@ -56,8 +56,10 @@ class ShardwiseConfig(SmpOnlySettings):
         None, ge=1, description="Most microbatches in flight in the pipeline. Unset: pipeline_parallel_degree + 2 "
         "(SMP's default); never more than microbatches.")
     prescaled_batch: bool = Field(False, description="Ranks of a tensor-parallel group share one tp_size-times larger batch.")
-    offload_activations: bool = Field(False, description="Move checkpointed activations to host memory.")
-    activation_loading_horizon: int = Field(4, ge=0, description="Offloaded activations prefetched ahead in backward.")
+    offload_activations: bool = Field(False, description="Keep the inputs of activation-checkpointed regions in "
+                                      "host memory between forward and backward (nothing moves on a CPU device).")
+    activation_loading_horizon: int = Field(4, ge=0, description="With offload_activations: when backward reaches "
+                                            "a region, the regions before it whose inputs are fetched back too.")
     delayed_parameter_initialization: bool = Field(
         False, description="sw.delay_param_initialization() builds the model on the meta device; DistributedModel "
         "materialises only what this rank runs (its pipeline stages).")
@@ -154,8 +156,6 @@ def field_names() -> list[str]:
 
 
 def unavailable_features(config: ShardwiseConfig) -> list[tuple[str, object]]:
-    """(key, value) of settings whose feature this release cannot run yet."""
-    pending = {
-        "offload_activations": config.offload_activations,
-    }
+    """(key, value) of settings whose feature this release cannot run yet: none at present."""
+    pending: dict[str, bool] = {}
     return [(key, getattr(config, key)) for key, used in pending.items() if used]

@@ -17,18 +17,21 @@ which takes tuples and keyword arguments as they are: SMP's
 tuple, is accepted and changes nothing. A module is checkpointed by replacing
 the instance's `forward`, so it works after the model is sharded: FSDP's hooks
 sit on `__call__`, outside the recomputed region, and have unsharded the
-parameters again by the time backward recomputes.
+parameters again by the time backward recomputes. With `offload_activations` the
+inputs a region keeps go to host memory until backward needs them
+(activation_offload.py).
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .activation_offload import offloaded_region
 from .pipeline.stage import Elsewhere
 
 _MARK = "_shardwise_checkpointed"
@@ -79,6 +82,14 @@ def group_size(strategy: str) -> Optional[int]:
     return int(found.group(1))
 
 
+def checkpointed(fn: Callable[..., Any], /, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` as one region: torch's non-reentrant checkpoint, its kept inputs offloaded when the
+    config says so."""
+    with offloaded_region() as context_fn:
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                          context_fn=context_fn, **kwargs)
+
+
 def _checkpoint_module(module: nn.Module, preserve_rng_state: bool) -> None:
     if is_checkpointed(module) or isinstance(module, Elsewhere):  # a stand-in holds nothing to recompute
         return
@@ -86,7 +97,7 @@ def _checkpoint_module(module: nn.Module, preserve_rng_state: bool) -> None:
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+        return checkpointed(original, *args, preserve_rng_state=preserve_rng_state, **kwargs)
 
     module.forward = forward
     setattr(module, _MARK, True)
@@ -111,7 +122,7 @@ def checkpoint_in_groups(layers: list[nn.Module], input: Any, size: Optional[int
         if isinstance(group[0], Elsewhere):  # a stand-in: nothing this rank holds to recompute
             input = group[0](input)
         else:
-            input = checkpoint(_run_in_turn, group, input, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+            input = checkpointed(_run_in_turn, group, input, preserve_rng_state=preserve_rng_state)
     return input
 
 
