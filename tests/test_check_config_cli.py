@@ -115,8 +115,3 @@ def test_console_script_exit_codes():
     bad = _console("check-config", "--nproc-per-node", "2", "--set", "bf16=true", "--set", "fp16=true")
     assert bad.returncode == 2
     assert "fp16=True: bf16 and fp16 cannot both be on" in bad.stderr
-    pending = _console("check-config", "--nproc-per-node", "4", "--set", "offload_activations=true")
-    assert (pending.returncode, pending.stdout) == (2, "")
-    assert pending.stderr == ("shardwise check-config: invalid shardwise config: offload_activations=True: this "
-                              "feature is not available yet in this shardwise release; fix: remove the key (or set "
-                              "it to its default) for now\n")

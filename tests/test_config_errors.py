@@ -93,17 +93,15 @@ def test_rule_violation_message(case):
     assert expected in message
 
 
-def test_field_rule_unavailable_and_layout_problems_are_reported_together():
+def test_field_rule_and_layout_problems_are_reported_together():
     """A broken field does not hide the layout: it is computed from the well-typed keys (here tp = 1)."""
     message = _message(validate, {"tensor_parallel_degree": "x", "microbatches": 0, "bf16": True, "fp16": True,
-                                  "offload_activations": True, "sharded_data_parallel_degree": 3}, Cluster(1, 4))
+                                  "sharded_data_parallel_degree": 3}, Cluster(1, 4))
     assert message.splitlines() == [
         "invalid shardwise config:",
         "  tensor_parallel_degree='x': input should be a valid integer; fix: use a whole number",
         "  microbatches=0: input should be greater than or equal to 1; fix: use 1 or more",
         "  fp16=True: bf16 and fp16 cannot both be on; fix: set only one of them",
-        "  offload_activations=True: this feature is not available yet in this shardwise release; "
-        "fix: remove the key (or set it to its default) for now",
         "  sharded_data_parallel_degree=3: must divide the data-parallel degree 4 (= world 4 / (tp 1 × pp 1)); "
         "fix: use a divisor of 4: 1, 2, 4",
     ]

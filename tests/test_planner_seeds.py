@@ -110,18 +110,14 @@ def _offloading(result):
     return [e for e in result.fitting if e.config.get("offload_activations")]
 
 
-def test_features_this_release_lacks_are_not_proposed_until_built(monkeypatch):
-    """Offload is not built yet: the 60B plan proposes none, and would once `unavailable_features` lets it."""
-    assert not _offloading(_plan("gpt2-60b"))
-    monkeypatch.setattr(validation, "unavailable_features", lambda config: [])
+def test_activation_offloading_is_proposed_now_that_it_is_built():
     assert _offloading(_plan("gpt2-60b"))
 
 
 def test_evaluate_refuses_what_run_refuses():
     spec, cluster, config, global_batch = _reference("gpt2-60b")
-    with pytest.raises(ConfigError, match=r"^invalid shardwise config: offload_activations=True: this feature is "
-                       r"not available yet in this shardwise release; fix: remove the key"):
-        evaluate(spec, cluster, {**config, "offload_activations": True}, global_batch=global_batch,
+    with pytest.raises(ConfigError, match=r"^invalid shardwise config: fp16=True: bf16 and fp16 cannot both be on"):
+        evaluate(spec, cluster, {**config, "bf16": True, "fp16": True}, global_batch=global_batch,
                  checkpointing="per_layer")
 
 

@@ -77,8 +77,8 @@ def _smp(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
         if changed(c, name):
             needs_sharding = name in SHARDING_INSTEAD and not sharded
             yield _key(name), "needs sharded_data_parallel_degree > 1" if needs_sharding else instead
-    yield from ((_key(name), "needs offload_activations") for name in OFFLOAD_PACING
-                if not c.offload_activations and changed(c, name))
+    yield from ((_key(name), instead if c.offload_activations else "needs offload_activations")
+                for name, instead in OFFLOAD_PACING.items() if changed(c, name))
 
 
 def ineffective_settings(config: ShardwiseConfig) -> list[tuple[str, str]]:

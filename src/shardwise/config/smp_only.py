@@ -41,8 +41,11 @@ SHARDING_INSTEAD = {
     "sdp_hierarchical_allgather": "torch's collectives choose how an all-gather crosses nodes",
 }
 
-# Keys that pace activation offloading, which is not built.
-OFFLOAD_PACING = ("shard_offloaded_activations", "task_level_activation_loading_horizon")
+# Keys that pace SMP's activation offloading, and what shardwise's offloading does instead.
+OFFLOAD_PACING = {
+    "shard_offloaded_activations": "every tensor-parallel rank offloads the inputs its own checkpointed regions keep",
+    "task_level_activation_loading_horizon": "activation_loading_horizon paces the prefetch",
+}
 
 
 class SmpOnlySettings(BaseModel):

@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ..parallel.checkpointing import checkpoint_in_groups, group_size
+from ..parallel.checkpointing import checkpoint_in_groups, checkpointed, group_size
 
 STRATEGIES = ('"each"', '"contiguous"', '"group_<n>"')
 
@@ -29,7 +28,7 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint expects an nn.Module, got {type(module).__name__}; SMP checkpoints modules, "
                         "not functions: wrap the code in a module")
-    return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+    return checkpointed(module, *args, preserve_rng_state=preserve_rng_state)  # offloaded with offload_activations
 
 
 def checkpoint_sequential(sequential_module: nn.Sequential, input: Any, strategy: str = "each",
