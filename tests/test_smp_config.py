@@ -120,16 +120,18 @@ def test_active_microbatches_takes_smps_default_and_cap(settings, active, pipeli
     assert (config.effective_active_microbatches, config.pipeline_round) == (active, pipeline_round)
 
 
-def test_pipeline_partition_keys_are_validated_as_smp_did_and_memory_weight_named_until_it_steers_the_cut():
+def test_pipeline_partition_keys_are_validated_as_smp_did_and_memory_weight_steers_the_graph_cut():
     assert _message({"partitions": 2, "memory_weight": 1.5, "default_partition": 2}).splitlines() == [
         "invalid shardwise config:",
         "  memory_weight=1.5: input should be less than or equal to 1; fix: use 1.0 or less",
         "  default_partition=2: must be a pipeline stage, below pipeline_parallel_degree (2); fix: use 0 to 1",
     ]
-    steer = ("shardwise cuts at block boundaries by pipeline_balance or pipeline_split_points; this key does not "
-             "steer the cut yet")
     keys = {"auto_partition": False, "default_partition": 1, "memory_weight": 0.2}
-    assert _noted({"partitions": 2, **keys}) == {"memory_weight": steer}
+    assert _noted({"partitions": 2, **keys}) == {}  # the cut of the model's kind reads each of them
+    assert _noted({"partitions": 2, "pipeline_cut": "blocks", **keys}) == {"memory_weight": (
+        "the block-list cut balances by pipeline_balance; this key steers the module-graph cut (pipeline_cut graph)")}
+    assert _noted({"partitions": 2, "pipeline_cut": "graph", "pipeline_balance": "compute"}) == {
+        "pipeline_balance": "the module-graph cut balances by memory_weight"}
     assert _noted({"auto_partition": False}) == {"auto_partition": "needs pipeline_parallel_degree > 1"}
 
 

@@ -23,6 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from shardwise.parallel.pipeline.schedule import EvalSafeStage
 from shardwise.testing import run_distributed
 from shardwise.torch_internals import (
+    FakeTensorMode,
     at_backward_end,
     children_table,
     clear_dtensor_caches,
@@ -48,6 +49,20 @@ def mesh():
     yield init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
     dist.destroy_process_group()
     clear_dtensor_caches()
+
+
+# ----- fake tensors -----
+
+def test_fake_tensor_mode_runs_a_meta_model_and_hugging_face_sees_it_tracing():
+    """The pipeline's graph cut runs the model on fake meta tensors: shapes flow, no data, and Hugging Face's
+    `is_tracing` takes them for a trace (so it skips its data-dependent checks)."""
+    from transformers.utils.import_utils import is_tracing
+
+    with torch.device("meta"):
+        layer = nn.Linear(4, 3)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        out = layer(fake.from_tensor(torch.empty(2, 4, device="meta")))
+        assert out.shape == (2, 3) and is_tracing(out)
 
 
 # ----- pytree -----

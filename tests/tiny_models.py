@@ -97,8 +97,22 @@ class SequentialStack(TinyStack):
         return {"logits": self.head(self.norm(self.blocks(self.embed(ids))))}
 
 
+class TinyCNN(nn.Module):
+    """Two sub-networks and no repeated blocks: convolutions and pooling, then a classifier of linear layers."""
+
+    def __init__(self, layers: int = 2, hidden: int = 32):
+        super().__init__()
+        convs = [nn.Conv2d(CHANNELS if i == 0 else 8, 8, 3, padding=1) for i in range(layers)]
+        self.features = nn.Sequential(*(m for conv in convs for m in (conv, nn.ReLU())), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(8 * (IMAGE // 2) ** 2, hidden), nn.ReLU(),
+                                        nn.Linear(hidden, LABELS))
+
+    def forward(self, images: torch.Tensor) -> dict:
+        return {"logits": self.classifier(self.features(images))}
+
+
 BUILDERS = {"gpt2": tiny_gpt2, "vit": tiny_vit, "llama": tiny_llama, "bert": tiny_bert, "stack": TinyStack,
-            "sequential": SequentialStack}
+            "sequential": SequentialStack, "cnn": TinyCNN}
 TEXT = ("gpt2", "llama", "bert", "stack", "sequential")  # token models: token data; next-token loss but BERT's, per token
 
 
@@ -112,6 +126,8 @@ def blocks(model: nn.Module) -> nn.ModuleList:
         return model.bert.encoder.layer
     if hasattr(model, "blocks"):  # TinyStack, SequentialStack
         return model.blocks
+    if hasattr(model, "features"):  # TinyCNN: its convolutions
+        return [m for m in model.features if isinstance(m, nn.Conv2d)]
     vit = model.vit
     return vit.layers if hasattr(vit, "layers") else vit.encoder.layer
 
@@ -142,7 +158,8 @@ def dataset(kind: str, rows: int, seed: int = SEED) -> TensorDataset:
 
 
 def loss_fn(kind: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy for GPT-2, Llama and the stack, per-token for BERT, classification cross-entropy for ViT."""
+    """Next-token cross-entropy for GPT-2, Llama and the stacks, per-token for BERT, classification cross-entropy
+    for ViT and the CNN."""
     logits = model(inputs)["logits"]
     if kind == "bert":
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -39,12 +39,16 @@ from torch.distributed.tensor import DTensor, _redistribute, debug
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+# Tensors without data that models treat as while torch traces them (Hugging Face skips data-dependent checks on
+# them), for the pipeline's module-graph cut (parallel/pipeline/graph_cut.py). No public equivalent in 2.13.
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 # Nested containers (a Hugging Face ModelOutput included, which transformers registers here).
 # No public pytree module in torch 2.13, though torch's own distributed code uses this one throughout.
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 __all__ = [
-    "at_backward_end", "children_table", "clear_dtensor_caches", "flatten_mesh", "replicate",
+    "FakeTensorMode", "at_backward_end", "children_table", "clear_dtensor_caches", "flatten_mesh", "replicate",
     "strided_shard", "style_input_fn", "style_output_fn",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
     "unscale_and_check_", "version",

@@ -17,10 +17,10 @@ from typing import Iterator, Optional
 from .schema import ShardwiseConfig
 from .smp_only import INSTEAD, OFFLOAD_PACING, SHARDING_INSTEAD
 
-# SMP's pipeline-partition keys that are validated and kept, but that shardwise's cut does not read yet.
+# SMP's pipeline-partition keys that only the module-graph cut reads (graph_cut.py).
 PARTITION_KEYS = ("memory_weight",)
 PIPELINE_KEYS = ("pipeline_schedule", "virtual_stages", "pipeline_balance", "pipeline_split_points",
-                 "active_microbatches", "auto_partition", "default_partition", *PARTITION_KEYS)
+                 "pipeline_cut", "active_microbatches", "auto_partition", "default_partition", *PARTITION_KEYS)
 
 
 class IneffectiveSettingsWarning(UserWarning):
@@ -50,8 +50,13 @@ def _pipeline(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
             update={"active_microbatches": None}).pipeline_round:
         yield "active_microbatches", (f"{c.pipeline_schedule} runs rounds of {c.pipeline_round} microbatches "
                                       "with or without it")
-    yield from ((key, "shardwise cuts at block boundaries by pipeline_balance or pipeline_split_points; this key "
-                 "does not steer the cut yet") for key in PARTITION_KEYS if changed(c, key))
+    if c.pipeline_cut == "blocks":
+        yield from ((key, "the block-list cut balances by pipeline_balance; this key steers the module-graph cut "
+                     "(pipeline_cut graph)") for key in PARTITION_KEYS if changed(c, key))
+    elif c.pipeline_cut == "graph":
+        yield from ((key, "the module-graph cut balances by memory_weight") for key in ("pipeline_balance",
+                                                                                        "pipeline_split_points")
+                    if changed(c, key))
 
 
 def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:

@@ -51,6 +51,9 @@ class ShardwiseConfig(SmpOnlySettings):
         "(embedding lookups count as free).")
     pipeline_split_points: Optional[list[int]] = Field(
         None, description="Manual stage split: the first block index of every stage but the first.")
+    pipeline_cut: Literal["auto", "blocks", "graph"] = Field(
+        "auto", description="Where the pipeline cuts: 'blocks' along the model's list of repeated blocks, 'graph' at "
+        "module boundaries of the forward torch captures at the first @step, 'auto' blocks when the model has them.")
     microbatches: int = Field(1, ge=1, description="Microbatches each @step batch is split into.")
     active_microbatches: Optional[int] = Field(
         None, ge=1, description="Most microbatches in flight in the pipeline. Unset: pipeline_parallel_degree + 2 "

@@ -28,7 +28,7 @@ from ..runtime.mesh import ParallelMesh
 from ..topology.decisions import PrecisionMode, precision_mode, shards_optimizer_state, wrapping
 from . import precision
 from .materialize import has_meta, mesh_device, place, unit_materialiser
-from .pipeline import apply_pipeline
+from .pipeline import GraphPipeline, apply_pipeline, has_block_list
 from .sharding import apply_data_parallel
 from .strategy import Strategy
 from .tensor import PlanLike, TensorParallelBatch, apply_tensor_parallel
@@ -40,6 +40,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
     """`tp_plan`: the user's tensor-parallel plan, for models without a built-in one; `ddp_options`: what
     torch's DistributedDataParallel takes, where the composition chooses it (SMP's DistributedModel arguments)."""
     wrap = functools.partial(wrap_part, ddp_options=ddp_options)
+    if config.pipeline_parallel_degree > 1 and (config.pipeline_cut == "graph" or (
+            config.pipeline_cut == "auto" and not has_block_list(module))):
+        return GraphPipeline(module, mesh, config, wrap)  # cut from the module graph at the first @step
     if config.pipeline_parallel_degree > 1:  # cuts the model into stages, then the same steps per stage
         pipeline = apply_pipeline(module, mesh, config, tp_plan, split_part, wrap)
         if shards_optimizer_state(config, mesh.layout):

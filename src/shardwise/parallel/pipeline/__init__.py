@@ -4,12 +4,15 @@
     results = runner.run_step(distributed_model, step_fn, microbatches)   # what @step does
 
 Stages are built from the user's own module (its forward runs unchanged), the
-schedules are torch.distributed.pipelining's. See docs/pipeline.md.
+schedules are torch.distributed.pipelining's. A model without a list of blocks is
+cut from its module graph at the first @step instead (graph.py). See docs/pipeline.md.
 """
 
 from .apply import apply_pipeline
-from .partition import Partition, find_blocks, partition
+from .graph import GraphPipeline
+from .partition import Partition, find_blocks, has_block_list, partition
 from .runner import PipelineParallel
 from .schedule import SCHEDULES, stage_ranks
 
-__all__ = ["SCHEDULES", "Partition", "PipelineParallel", "apply_pipeline", "find_blocks", "partition", "stage_ranks"]
+__all__ = ["SCHEDULES", "GraphPipeline", "Partition", "PipelineParallel", "apply_pipeline", "find_blocks",
+           "has_block_list", "partition", "stage_ranks"]

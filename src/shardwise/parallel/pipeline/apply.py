@@ -26,7 +26,7 @@ from .partition import partition
 from .runner import PipelineParallel
 from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
 from .stage import Elsewhere, StageModule, prune, stage_view
-from .ties import TiedWeights
+from .ties import TiedWeights, tied_groups
 
 
 def stage_plan(model: nn.Module, plan: PlanLike, tp: int) -> TensorParallelPlan:
@@ -54,7 +54,7 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig
     if dist.get_rank() == 0:
         print(part.describe(ranks), flush=True)
     local = [s for s in range(total) if ranks[s] == pp_rank]
-    ties = TiedWeights(model, part, local)
+    ties = TiedWeights(model, tied_groups(model, part), local)
     prune(model, part, local)
     device = place(model, mesh)
     ties.connect(mesh.layout, dist.get_rank(), ranks)

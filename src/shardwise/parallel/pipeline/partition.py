@@ -75,6 +75,11 @@ def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def has_block_list(model: nn.Module) -> bool:
+    """The model has a list of repeated blocks to cut along (else its module graph is cut, graph.py)."""
+    return bool(_block_lists(model))
+
+
 def find_blocks(model: nn.Module) -> Blocks:
     """The block list to cut along, and which stage holds every other module with parameters."""
     lists = _block_lists(model)
@@ -110,7 +115,7 @@ def module_cost(module: nn.Module, balance: str) -> int:
                for p in m.parameters(recurse=False))
 
 
-def _min_max_split(costs: list[int], stages: int, first: int, last: int, fixed: Sequence[Optional[int]]) -> list[int]:
+def min_max_split(costs: list[int], stages: int, first: int, last: int, fixed: Sequence[Optional[int]]) -> list[int]:
     """Stage sizes (in blocks) minimising the costliest stage; `first`/`last` add to the end stages; a block
     with a `fixed` stage stays on it (placement.py has checked that every stage can still get a block)."""
     n = len(costs)
@@ -174,7 +179,7 @@ def partition(model: nn.Module, stages: int, balance: str = "parameters",
         edges = [0, *points, n]
     else:
         edges = [0]
-        for size in _min_max_split(costs, stages, first, last, fixed or [None] * n):
+        for size in min_max_split(costs, stages, first, last, fixed or [None] * n):
             edges.append(edges[-1] + size)
     bounds = tuple(zip(edges[:-1], edges[1:]))
     stage_costs = tuple(sum(costs[a:b]) + (first if s == 0 else 0) + (last if s == stages - 1 else 0)

@@ -94,9 +94,13 @@ class PipelineParallel(Strategy):
 
     runs_whole_step = True
 
-    def __init__(self, inner: nn.Module, stages: list[StageModule], wrapped: list[nn.Module],
-                 ties: TiedWeights, pp_group: dist.ProcessGroup, per_round: int):
+    def __init__(self, inner: nn.Module, stages: list[Any], wrapped: list[nn.Module],
+                 ties: TiedWeights, pp_group: dist.ProcessGroup, per_round: int,
+                 forward: Optional[Callable] = None):
+        """`stages`: this rank's `StageModule`s (or graph stages); `forward`: the model's own forward, whose
+        signature names the inputs (default `inner`'s)."""
         super().__init__(StageModules(wrapped), inner)  # inner: reduced to this rank's stages, names unsplit
+        self.signature = forward or inner.forward
         self.stages = stages
         self.ties = ties
         self.pp_group = pp_group
@@ -110,8 +114,7 @@ class PipelineParallel(Strategy):
         """Run one @step batch through the pipeline; the per-microbatch results of `fn` on the last stage,
         their structure elsewhere. The schedule calls `loss` per microbatch, which sets the microbatch itself
         (`around` is unused); `fn` detaches what it returns if the step asks for it."""
-        forward = self.inner.forward
-        calls = [capture(fn, model, forward, args, kwargs) for args, kwargs in pieces]
+        calls = [capture(fn, model, self.signature, args, kwargs) for args, kwargs in pieces]
         train = torch.is_grad_enabled()
         device = current("@shardwise.step").device
         per_round = self.per_round

@@ -39,7 +39,7 @@ from ...torch_internals import children_table, tree_flatten, tree_map, tree_unfl
 from .partition import Blocks, Partition
 
 
-def _meta_copy(module: nn.Module) -> nn.Module:
+def meta_copy(module: nn.Module) -> nn.Module:
     """A copy of `module` on the meta device, made without copying any tensor data."""
     memo: dict[int, Any] = {}
     for t in list(module.parameters()) + list(module.buffers()):
@@ -59,7 +59,7 @@ class Elsewhere(nn.Module):
 
     def __init__(self, module: nn.Module, free: bool = False):
         super().__init__()
-        self._shape_of = (_meta_copy(module),)  # in a tuple, so not registered: its parameters are not ours
+        self._shape_of = (meta_copy(module),)  # in a tuple, so not registered: its parameters are not ours
         self.holds = type(module).__name__
         self.free = free
 

@@ -33,6 +33,16 @@ def stage_of(part: Partition, name: str) -> int:
     return part.stages - 1
 
 
+def tied_groups(model: nn.Module, part: Partition) -> list[tuple[list[str], list[int]]]:
+    """The weights of `model` tied across the stages of `part`: their names, and the stage of each name."""
+    found = []
+    for names in tied_parameters(model):
+        stages = [stage_of(part, n) for n in names]
+        if len(set(stages)) > 1:
+            found.append((names, stages))
+    return found
+
+
 class _Group:
     """One tied weight: the names, the stages they land on, and where this rank's copies are."""
 
@@ -51,22 +61,20 @@ class TiedWeights:
     replace the parameter objects after the weights are untied here.
     """
 
-    def __init__(self, model: nn.Module, part: Partition, local: list[int]):
+    def __init__(self, model: nn.Module, groups: list[tuple[list[str], list[int]]], local: list[int]):
+        """`groups`: each tied weight's names and the stage of each name (`tied_groups`); `model` holds this
+        rank's `local` stages."""
         self.model = model
-        self.groups: list[_Group] = []
-        for names in tied_parameters(model):
-            stages = [stage_of(part, n) for n in names]
-            if len(set(stages)) > 1:
-                self.groups.append(_Group(names, stages))
+        self.groups = [_Group(names, stages) for names, stages in groups]
         for group in self.groups:
-            original = model.get_parameter(group.names[0])
             copies: dict[int, nn.Parameter] = {}
             for name, stage in zip(group.names, group.stages):
                 if stage not in local:
                     continue
-                if stage not in copies:  # the first local stage keeps the original object
-                    copies[stage] = original if not copies else nn.Parameter(original.detach().clone(),
-                                                                             original.requires_grad)
+                if stage not in copies:  # the first local stage keeps the parameter object it holds
+                    first = next(iter(copies.values()), None)
+                    copies[stage] = model.get_parameter(name) if first is None else nn.Parameter(
+                        first.detach().clone(), first.requires_grad)
                     group.local[stage] = name
                 path, _, pname = name.rpartition(".")
                 setattr(model.get_submodule(path), pname, copies[stage])

@@ -1,0 +1,225 @@
+"""Pipelines for any module torch can capture, cut at the first @step (as SMP v1 traced at its first step).
+
+A model without a list of repeated blocks (a CNN of two sub-networks, BERT's
+masked-LM head reading the word embedding) is cut from its module graph: at the
+first @step the step function runs up to its `model(...)` call, which gives one
+microbatch's inputs; `graph_cut.py` chooses module boundaries balanced by compute
+and memory; `torch.distributed.pipelining.pipeline` captures the forward with
+torch.export and splits it there; each rank keeps its stage's graph module (the
+model's own parameters, under their names) and runs it under the schedule like a
+block-list stage. Until then the whole model sits on every rank, so its state
+dicts and a checkpoint loaded before the first step are the whole model's, and
+the optimizers bound to it are bound again to this rank's stage.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+
+from ...api.param_mapping import adopt_model_parameters
+from ...config.schema import ShardwiseConfig
+from ...runtime.mesh import ParallelMesh
+from ..materialize import place
+from ..strategy import OptimizerUpdate, Pieces, Strategy
+from .calls import capture
+from .graph_cut import captured, cut_graph
+from .graph_stage import GraphStage, Wiring
+from .runner import PipelineParallel, StageModules
+from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
+from .ties import TiedWeights
+
+_DEFAULT_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}  # SMP's, by its `optimize`
+
+
+def memory_weight(config: ShardwiseConfig) -> float:
+    return config.memory_weight if config.memory_weight is not None else _DEFAULT_MEMORY_WEIGHT[config.optimize]
+
+
+def check_graph_layout(config: ShardwiseConfig, model: nn.Module) -> None:
+    """What a pipeline cut from the module graph does not combine with yet, refused before anything runs."""
+    name = type(model).__name__
+    if config.tensor_parallel_degree > 1:
+        raise ValueError(f"{name} has no list of repeated blocks, so the pipeline is cut from its module graph, "
+                         "whose stages torch runs as captured graphs that tensor parallelism cannot split; fix: "
+                         "tensor_parallel_degree 1, or hold the model's layers in an nn.ModuleList")
+    if config.shard_optimizer_state or config.effective_zero_stage == 1:
+        raise ValueError(f"{name} has no list of repeated blocks, so the pipeline is cut from its module graph, "
+                         "which does not combine with ZeRO-1 (shard_optimizer_state) yet; fix: use "
+                         "sharded_data_parallel_degree (ZeRO-3) or plain data parallelism with it")
+    if config.stages_per_rank > 1:
+        raise ValueError(f"{name} has no list of repeated blocks, so the pipeline is cut from its module graph into "
+                         "one stage per rank; fix: drop virtual_stages, or hold the layers in an nn.ModuleList")
+
+
+def _distinct(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs with a tensor passed twice (labels=input_ids) cloned: captured, one would be read for both."""
+    seen: set[int] = set()
+    distinct = {}
+    for name, value in inputs.items():
+        duplicate = isinstance(value, torch.Tensor) and id(value) in seen
+        seen.add(id(value))
+        distinct[name] = value.clone() if duplicate else value
+    return distinct
+
+
+class _DeferredUpdate:
+    """An optimizer's update, bound to its model's stage once the first @step has cut the pipeline."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device):
+        self.optimizer, self.scaler, self.device = optimizer, scaler, device
+        self.target: Optional[OptimizerUpdate] = None
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        (self.target or self.optimizer).zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        if self.target is not None:
+            self.target.synchronize()
+
+    def after_backward_passes(self) -> None:
+        if self.target is not None:
+            self.target.after_backward_passes()
+
+    def __getattr__(self, name: str) -> Any:
+        if self.__dict__.get("target") is None:
+            raise RuntimeError(f"optimizer.{name.lstrip('_')}: this model's pipeline is cut from its module graph at "
+                               "the first @step, and the optimizer is bound to this rank's stage then; fix: call it "
+                               "after the first @step (load checkpoints of the model before it, of the optimizer "
+                               "after it)")
+        return getattr(self.target, name)
+
+
+class GraphPipeline(Strategy):
+    """The whole model until the first @step; then `PipelineParallel` over this rank's stage of its graph."""
+
+    runs_whole_step = True
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, wrap_part: Callable):
+        check_graph_layout(config, model)
+        place(model, mesh)
+        super().__init__(StageModules([]), model)
+        self.mesh, self.config, self.wrap_part = mesh, config, wrap_part
+        self.built: Optional[PipelineParallel] = None
+        self._deferred: list[_DeferredUpdate] = []
+
+    # Before the cut: the whole model. After it: the stage's pipeline answers (_DELEGATED), as if it had been
+    # the strategy from the start.
+    def __getattribute__(self, name: str) -> Any:
+        built = object.__getattribute__(self, "__dict__").get("built")
+        if built is not None and name in _DELEGATED:
+            return getattr(built, name)
+        return object.__getattribute__(self, name)
+
+    def bind(self, optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device) -> Any:
+        update = _DeferredUpdate(optimizer, scaler, device)
+        self._deferred.append(update)
+        return update
+
+    def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces,
+                 around: Callable[[int], ContextManager]) -> list[Any]:
+        self._build(model, fn, pieces)  # the first @step only: later ones go to the built pipeline
+        return self.built.run_step(model, fn, pieces, around)
+
+    def _build(self, model: Any, fn: Callable, pieces: Pieces) -> None:
+        whole, config, mesh = self.inner, self.config, self.mesh
+        forward = whole.forward
+        inputs = capture(fn, model, forward, *pieces[0])
+        pp_mesh = mesh["pp"]
+        pp, pp_rank, total = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.size()
+        cut = cut_graph(whole, inputs, total, memory_weight(config), config.auto_partition, config.default_partition)
+        ranks = stage_ranks(config.pipeline_schedule, pp, total)
+        if dist.get_rank() == 0:
+            print(cut.describe(ranks), flush=True)
+        pipe = captured(whole, "export", lambda: pipeline(
+            whole, mb_args=(), mb_kwargs=_distinct(inputs),
+            split_spec={point: SplitPoint.BEGINNING for point in cut.split_points}))
+        if pipe.num_stages != total:
+            raise RuntimeError(f"torch split {type(whole).__name__} into {pipe.num_stages} stages at "
+                               f"{list(cut.split_points)}, not {total}: a split module is not called on the forward's "
+                               "main path; fix: place modules by hand (sw.set_partition) at other modules")
+        wiring = Wiring(pipe.split_gm)
+        index = next(s for s in range(total) if ranks[s] == pp_rank)
+        inner = pipe.get_stage_module(index)
+        _as_in_model(inner, whole)
+        ties = TiedWeights(inner, _tied_groups(pipe.replicated_params, wiring.module_names), [index])
+        ties.connect(mesh.layout, dist.get_rank(), ranks)
+        ties.broadcast_values()
+        stage = GraphStage(inner, wiring, index, cut)
+        strategy = self.wrap_part(stage, mesh, config, reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
+        stage.precision = strategy.autocast or stage.precision
+        runner = PipelineParallel(inner, [stage], [strategy.module], ties, pp_mesh.get_group(), config.pipeline_round,
+                                  forward=forward)
+        device = next(inner.parameters()).device
+        runner.schedule = build_schedule(config.pipeline_schedule, [
+            EvalSafeStage(strategy.module, index, total, device, group=pp_mesh.get_group())],
+            config.pipeline_round, runner.loss)
+        runner.binding = self.binding
+        self.built = runner
+        model.module = runner.module
+        held = dict(model.named_parameters(remove_duplicate=False))
+        for update in self._deferred:
+            adopt_model_parameters(update.optimizer, model.original_names, held)
+            update.target = runner.bind(update.optimizer, update.scaler, update.device)
+
+
+def _tied_groups(replicated: list[dict[str, str]], stage_modules: list[str]) -> list[tuple[list[str], list[int]]]:
+    """torch's record of parameters several stages use ({stage module: name there}) as TiedWeights' groups."""
+    return [([uses[m] for m in stage_modules if m in uses], [k for k, m in enumerate(stage_modules) if m in uses])
+            for uses in replicated]
+
+
+def _as_in_model(stage: nn.Module, whole: nn.Module) -> None:
+    """Give the stage's tensors every name they have in the model, and its buffers the model's persistence, so its
+    state dicts read as the model's. torch keeps one name per tensor, turns non-persistent buffers persistent, and
+    gives each stage that uses a shared parameter a copy under the name it uses, while the stage's other names for
+    it still hold the original: they all take the copy, so the stage holds one tensor for it, as the model did."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, tensor in [*whole.named_parameters(remove_duplicate=False), *whole.named_buffers(remove_duplicate=False)]:
+        names[id(tensor)].append(name)
+    held: dict[int, torch.Tensor] = {}
+    for name, tensor in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]:
+        original = _tensor(whole, name)
+        if original is not None and (id(original) not in held or held[id(original)] is original):
+            held[id(original)] = tensor  # torch's copy over the original
+    for key, tensor in held.items():
+        for name in names[key]:
+            path, _, leaf = name.rpartition(".")
+            owner = _module_at(stage, path)
+            if isinstance(tensor, nn.Parameter):
+                setattr(owner, leaf, tensor)
+            else:
+                persistent = leaf not in whole.get_submodule(path)._non_persistent_buffers_set
+                owner.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def _tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    path, _, leaf = name.rpartition(".")
+    try:
+        owner = module.get_submodule(path)
+    except AttributeError:
+        return None
+    return owner._parameters.get(leaf, owner._buffers.get(leaf))
+
+
+def _module_at(root: nn.Module, path: str) -> nn.Module:
+    """The submodule at `path`, made (empty) where the stage has none: a name's owner in the model."""
+    module = root
+    for part in filter(None, path.split(".")):
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    return module
+
+
+# What the stage's pipeline answers once the graph is cut (the rest is Strategy's, on the stage).
+_DELEGATED = frozenset({
+    "run_step", "forward", "module", "inner", "holds_loss", "microbatch_context", "clip_grad_norm_",
+    "sharded_state_dict", "load_sharded_state_dict", "full_state_dict", "load_full_state_dict", "held", "bind",
+    "wait_for_parameters", "tied_copies", "after_backward_passes", "autocast", "gather_stages",
+})

@@ -1,0 +1,175 @@
+"""Where to cut a model that has no list of repeated blocks: module boundaries balanced by compute and memory.
+
+The model runs once on the meta device (no memory, no arithmetic) with the first
+microbatch's inputs as fake tensors (which models treat as while torch traces them), which gives the order its modules are called in, each
+module's FLOPs (torch's `FlopCounterMode`) and its parameters. The cut is made at
+"units": the root's called children, a unit split further into its own called
+children while it costs more than a fraction of a stage. Each unit costs
+`(1 - memory_weight) · its share of the FLOPs + memory_weight · its share of the
+parameters` (SMP's `memory_weight`: 0 balances compute only, 1 memory only), and
+the stages are the contiguous runs of units that minimise the costliest stage.
+Units placed by hand (`partition`, `set_partition`) keep their partition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ...torch_internals import FakeTensorMode, tree_flatten, tree_map
+from .partition import min_max_split
+from .placement import placed_on
+from .stage import meta_copy
+
+TENSOR = object()  # marks where a tensor goes back into the model's output structure
+_FINER = 4  # a unit is split further while it costs more than 1 / (_FINER · stages) of the model
+
+
+@dataclasses.dataclass
+class _Call:
+    """A module the forward called: its path, first-call position, FLOPs (with its children's), own params."""
+
+    path: str
+    order: int
+    flops: int = 0
+    params: int = 0
+    children: list["_Call"] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphCut:
+    """The modules each stage after the first starts at, and what the model returns (for rebuilding it)."""
+
+    split_points: tuple[str, ...]
+    units: tuple[str, ...]
+    stage_of_unit: tuple[int, ...]
+    costs: tuple[float, ...]
+    output_spec: Any
+    output_leaves: tuple[Any, ...]  # TENSOR where a tensor goes, else the value itself
+
+    def describe(self, stage_ranks: list[int]) -> str:
+        lines = [f"pipeline partition of the module graph ({len(self.units)} units) into "
+                 f"{max(self.stage_of_unit) + 1} stages, balanced by compute and memory:"]
+        for stage in range(max(self.stage_of_unit) + 1):
+            units = [u for u, s in zip(self.units, self.stage_of_unit) if s == stage]
+            cost = sum(c for c, s in zip(self.costs, self.stage_of_unit) if s == stage)
+            span = units[0] if len(units) == 1 else f"{units[0]} … {units[-1]} ({len(units)} units)"
+            lines.append(f"  stage {stage} (pp rank {stage_ranks[stage]}): {span} — {cost:.1%} of the cost")
+        return "\n".join(lines)
+
+
+def captured(model: nn.Module, what: str, capture_it: Callable[[], Any]) -> Any:
+    """`capture_it()`; a forward torch cannot capture (on fake tensors or by export) is one line naming why."""
+    try:
+        return capture_it()
+    except Exception as error:  # torch's errors here are long; the first line names the operation
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise RuntimeError(f"pipeline parallelism could not {what} {type(model).__name__}'s forward "
+                           f"({type(error).__name__}: {reason}); fix: make the forward capturable (no Python "
+                           "control flow on tensor values, no .item()), or hold its layers in an nn.ModuleList and "
+                           "set pipeline_cut: blocks") from None
+
+
+def _trace(model: nn.Module, inputs: dict[str, Any]) -> tuple[_Call, Any]:
+    """The call tree of one forward on the meta device, with FLOPs and parameters, and the model's output."""
+    meta = meta_copy(model)
+    calls: dict[str, _Call] = {}
+    stack: list[_Call] = []
+    paths = {module: path for path, module in meta.named_modules()}
+
+    def enter(module: nn.Module, args: Any) -> None:
+        path = paths[module]
+        if path not in calls:
+            calls[path] = _Call(path, len(calls))
+            if stack:
+                stack[-1].children.append(calls[path])
+        stack.append(calls[path])
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        stack.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in paths] + [m.register_forward_hook(leave) for m in paths]
+    try:
+        # Fake tensors as well as meta ones: models skip data-dependent checks on them as while torch traces.
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake, FlopCounterMode(display=False) as counter:
+            output = meta(**tree_map(lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
+                                     inputs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    root_name = type(meta).__name__
+    for path, call in calls.items():
+        key = f"{root_name}.{path}" if path else root_name
+        call.flops = sum(counter.get_flop_counts().get(key, {}).values())
+        call.params = sum(p.numel() for p in meta.get_submodule(path).parameters())
+    return calls[""], output
+
+
+def _units(root: _Call, stages: int) -> list[_Call]:
+    """The root's called children, each split into its own while it costs too much to be placed whole."""
+    total_flops, total_params = max(root.flops, 1), max(root.params, 1)
+    units = list(root.children) or [root]
+    while True:
+        big = [u for u in units if u.children and max(u.flops / total_flops, u.params / total_params)
+               > 1 / (_FINER * stages)]
+        if not big:
+            return sorted(units, key=lambda u: u.order)
+        unit = big[0]
+        at = units.index(unit)
+        units[at:at + 1] = unit.children
+
+
+def _placements(model: nn.Module, units: list[_Call], auto_partition: bool,
+                default_partition: int) -> Optional[list[Optional[int]]]:
+    """Each unit's partition when any module is placed by hand (its own or its nearest placed ancestor's)."""
+    found = []
+    for unit in units:
+        parts = unit.path.split(".")
+        owners = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1)]
+        found.append(next((placed_on(m) for m in owners if placed_on(m) is not None), None))
+    if all(p is None for p in found) and auto_partition:
+        return None
+    return [p if p is not None else (None if auto_partition else default_partition) for p in found]
+
+
+def cut_graph(model: nn.Module, inputs: dict[str, Any], stages: int, memory_weight: float,
+              auto_partition: bool = True, default_partition: int = 0) -> GraphCut:
+    """Where to cut `model` into `stages` (see module docstring); `inputs` is one microbatch, by name."""
+    root, output = captured(model, "trace", lambda: _trace(model, inputs))
+    units = _units(root, stages)
+    if len(units) < stages:
+        raise ValueError(f"pipeline parallelism cuts {type(model).__name__} at module boundaries, but its forward "
+                         f"calls only {len(units)} modules that can start a stage, fewer than the {stages} stages; "
+                         "use a smaller pipeline_parallel_degree")
+    flops, params = max(sum(u.flops for u in units), 1), max(sum(u.params for u in units), 1)
+    costs = [(1 - memory_weight) * u.flops / flops + memory_weight * u.params / params for u in units]
+    fixed = _placements(model, units, auto_partition, default_partition)
+    if fixed is not None:
+        _check_placements(units, fixed, stages)
+    sizes = min_max_split(costs, stages, 0, 0, fixed or [None] * len(units))
+    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
+    starts = [i for i in range(1, len(units)) if stage_of[i] != stage_of[i - 1]]
+    leaves, spec = tree_flatten(output)
+    return GraphCut(tuple(units[i].path for i in starts), tuple(u.path for u in units), tuple(stage_of),
+                    tuple(costs), spec, tuple(TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves))
+
+
+def _check_placements(units: list[_Call], fixed: list[Optional[int]], stages: int) -> None:
+    placed = [(u.path, p) for u, p in zip(units, fixed) if p is not None]
+    for (before, p), (after, q) in zip(placed, placed[1:]):
+        if q < p:
+            raise ValueError(f"pipeline placement: {after} on partition {q} runs after {before} on partition {p}; "
+                             "the module graph is cut into contiguous runs in execution order; fix: place modules "
+                             "on non-decreasing partitions in the order the forward calls them")
+    for path, p in placed:
+        if p >= stages:
+            raise ValueError(f"pipeline placement: {path} is placed on partition {p}, but pipeline_parallel_degree "
+                             f"is {stages}; fix: use partitions 0 to {stages - 1}")
+    missing = sorted(set(range(stages)) - {p for _, p in placed}) if None not in fixed else []
+    if missing:
+        raise ValueError(f"pipeline placement leaves partition {missing[0]} without a module; fix: place at least one "
+                         "module on every partition")
