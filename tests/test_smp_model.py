@@ -276,7 +276,7 @@ def test_hooks_local_views_and_tensor_parallel_queries(layout):
             assert notices == []
             continue
         (notice,) = got["notices"]
-        assert "trace_device=" in notice and "without tracing" in notice and "overlapping_allreduce=" in notice
+        assert "trace_device=" in notice and "traced once on fake meta tensors" in notice and "overlapping_allreduce=" in notice
         if layout == "ddp":  # DDP takes bucket_cap_mb itself
             assert "bucket_cap_mb" not in notice and got["bucket_bytes"] == 50 * 2 ** 20
         else:

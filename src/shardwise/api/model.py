@@ -76,7 +76,8 @@ class ModelOptions:
     def notes(self, ddp: bool, pipelined: bool) -> list[tuple[str, str]]:
         """(argument, what shardwise does instead) for each argument set away from its default that changes
         nothing here. `ddp`: the model's replicas are torch's DistributedDataParallel."""
-        untraced = "shardwise cuts pipeline stages without tracing, by pipeline_balance or pipeline_split_points"
+        untraced = ("shardwise cuts pipeline stages along the block list, or from the module graph traced once on "
+                    "fake meta tensors, on no device")
         no_buckets = "no DDP buckets in this layout"
         why = {
             "trace_device": untraced, "trace_execution_times": untraced, "trace_memory_usage": untraced,
