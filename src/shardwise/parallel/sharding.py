@@ -1,9 +1,10 @@
 """Data parallelism over the dp axes: DDP, ZeRO-2, ZeRO-3 and MiCS (ZeRO-1's optimizer side is zero1/).
 
-ZeRO-2/3 use FSDP2 (`fully_shard`) on the `dp_shard` axis; with `dp_replicate`
-> 1 the 2-D mesh makes it hybrid sharding, which is MiCS: parameters are
-gathered and gradients reduce-scattered inside a partition group, and only the
-gradient all-reduce crosses groups.
+ZeRO-2/3 use FSDP2 (`fully_shard`) on the `dp_shard` axis. With `dp_replicate`
+> 1 that is MiCS: parameters are gathered and gradients reduce-scattered inside a
+partition group, and only the gradient all-reduce crosses groups, overlapping
+backward (cross_group.py). Under a pipeline, whose stages reduce-scatter after
+the schedule, outside backward, FSDP2's own hybrid sharding (the 2-D mesh) does it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..runtime.mesh import ParallelMesh
+from ..runtime.state import current
 from ..topology.decisions import Wrapping
 from ..torch_internals import replicate
 from . import precision
+from .cross_group import CrossGroupReduction, unit_parameters
+from .optimizer_offload import sharded_offload_policy
 from .strategy import Strategy
 from .wrap import sharding_units
 
@@ -46,14 +50,16 @@ class Replicated(Strategy):
 
 class Sharded(Strategy):
     """FSDP2 (ZeRO-2/3, MiCS): gradients reduce-scattered every microbatch so they stay sharded,
-    the cross-group all-reduce only after the last one."""
+    the cross-group all-reduce (`cross_group`, or FSDP2's own in a hybrid mesh) only after the last one."""
 
-    def __init__(self, module: FSDPModule, hybrid: bool):
+    def __init__(self, module: FSDPModule, cross_group: Optional[CrossGroupReduction], hybrid: bool):
         super().__init__(module, module)
-        self.hybrid = hybrid
+        self.cross_group, self.hybrid = cross_group, hybrid
 
     @contextlib.contextmanager
     def microbatch_context(self, last: bool) -> Iterator[None]:
+        if self.cross_group is not None:
+            self.cross_group.final = last
         if self.hybrid:
             self.module.set_requires_all_reduce(last)
         self.module.set_is_last_backward(last)
@@ -69,6 +75,15 @@ def reshard_gathered(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
+
+
+def _cross_group_dtype(mesh: ParallelMesh) -> Optional[torch.dtype]:
+    """The dtype of the overlapped cross-group all-reduce, or None where there is none: one partition group,
+    or a pipeline (its stages get FSDP2's hybrid sharding)."""
+    config = current("sharding").config
+    if mesh["dp_replicate"].size() == 1 or config.pipeline_parallel_degree > 1:
+        return None
+    return torch.bfloat16 if config.cross_group_reduce_dtype == "bf16" else torch.float32
 
 
 def _dp_mesh(mesh: ParallelMesh, hybrid: bool) -> DeviceMesh:
@@ -89,17 +104,25 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, how: Wrapping, cas
     DistributedDataParallel where `how` is DDP (SMP's DistributedModel arguments: bucket_cap_mb, ...).
     """
     if how is Wrapping.SHARDED:
-        hybrid = mesh["dp_replicate"].size() > 1
+        cross_group_dtype = _cross_group_dtype(mesh)
+        hybrid = mesh["dp_replicate"].size() > 1 and cross_group_dtype is None
         dp_mesh = _dp_mesh(mesh, hybrid)
         prepare = before_shard or (lambda unit: None)
-        for unit in sharding_units(model, auto_wrap_min_params):
+        offload = sharded_offload_policy()
+        units = sharding_units(model, auto_wrap_min_params)
+        for unit in units:
             prepare(unit)
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=precision.sharded_policy(cast, root=False))
+                        mp_policy=precision.sharded_policy(cast, root=False), offload_policy=offload)
         prepare(model)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=precision.sharded_policy(cast, root=True))
-        return Sharded(model, hybrid)  # fully_shard turned `model` into an FSDPModule in place
+                    mp_policy=precision.sharded_policy(cast, root=True), offload_policy=offload)
+        cross_group = None
+        if cross_group_dtype is not None:
+            *blocks, root = unit_parameters([*units, model])  # as FSDP2 took them; backward ends with the root
+            cross_group = CrossGroupReduction([*reversed(blocks), root], mesh["dp_replicate"].get_group(),
+                                              cross_group_dtype)
+        return Sharded(model, cross_group, hybrid)  # fully_shard turned `model` into an FSDPModule in place
     if how is Wrapping.REPLICATE:
         return Replicated(replicate(model, mesh=mesh["rdp"], mp_policy=precision.sharded_policy(cast, root=True)), model)
     if how is Wrapping.DDP:
