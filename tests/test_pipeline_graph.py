@@ -57,6 +57,19 @@ def test_the_cut_is_the_best_contiguous_one_by_compute_and_memory_and_keeps_plac
     assert cut_graph(model, {"images": images}, 2, memory_weight=1.0).split_points == ("classifier.0",)
 
 
+def test_the_graph_cut_bench_runs_and_its_cut_is_no_better_than_the_best():
+    """bench/graph_cut.py in a smoke size: its best contiguous cut bounds the picked one from below."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import graph_cut
+
+    for row in graph_cut.cut_quality(layers=2, stages=2, weights=(0.0, 1.0)):
+        assert row["finest_units"] >= row["units"] and 1.0 <= row["ratio"] <= 1.1, row
+    assert graph_cut.cut_time(layers=2, width=32, heads=2, seq=16, stages=2)["units"] >= 2
+
+
 class _Branchy(nn.Module):
     """Python control flow on a tensor's value: torch cannot capture it."""
 
