@@ -35,6 +35,9 @@ class ShardwiseConfig(SmpOnlySettings):
         description="ZeRO stage: 0 plain DDP, 1 optimizer state, 2 + gradients, 3 + parameters. "
         "Unset: 1 if shard_optimizer_state, 3 if sharded_data_parallel_degree > 1, else 0.",
     )
+    cross_group_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="MiCS: the dtype of the gradient all-reduce across partition groups. bf16 halves its "
+        "bytes; the reduce-scatter inside a group, the master weights and the optimizer stay fp32.")
     shard_optimizer_state: bool = Field(False, description="ZeRO-1: shard optimizer states over data-parallel ranks.")
     tensor_parallel_degree: int = Field(1, ge=1, description="Ranks inside a node that split each layer.")
     sequence_parallel: bool = Field(False, description="With tensor parallelism, shard the activations between the "
