@@ -70,10 +70,10 @@ def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
     if changed(c, "cross_group_reduce_dtype") and no_mics:
         yield "cross_group_reduce_dtype", ("needs MiCS without a pipeline: sharded_data_parallel_degree > 1 and "
                                            "smaller than the data-parallel degree, pipeline_parallel_degree 1")
-    if c.tensor_parallel_degree > 1 and given and c.optimize == "memory" and not c.sequence_parallel:
-        yield "optimize", ("tensor-parallel ranks keep whole activations between split layers; sequence_parallel "
     # SMP's default "memory" is named only when given: it is what SMP's own split layers did by default.
     given = "optimize" in c.model_fields_set
+    if c.tensor_parallel_degree > 1 and given and c.optimize == "memory" and not c.sequence_parallel:
+        yield "optimize", ("tensor-parallel ranks keep whole activations between split layers; sequence_parallel "
                            "shards them")
 
 
