@@ -42,7 +42,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
     wrap = functools.partial(wrap_part, ddp_options=ddp_options)
     if config.pipeline_parallel_degree > 1 and (config.pipeline_cut == "graph" or (
             config.pipeline_cut == "auto" and not has_block_list(module))):
-        return GraphPipeline(module, mesh, config, wrap)  # cut from the module graph at the first @step
+        zero1 = functools.partial(_zero1, mesh, config, config.microbatches) if shards_optimizer_state(
+            config, mesh.layout) else None
+        return GraphPipeline(module, mesh, config, wrap, zero1)  # cut from the module graph at the first @step
     if config.pipeline_parallel_degree > 1:  # cuts the model into stages, then the same steps per stage
         pipeline = apply_pipeline(module, mesh, config, tp_plan, split_part, wrap)
         if shards_optimizer_state(config, mesh.layout):

@@ -48,10 +48,6 @@ def check_graph_layout(config: ShardwiseConfig, model: nn.Module) -> None:
         raise ValueError(f"{name} has no list of repeated blocks, so the pipeline is cut from its module graph, "
                          "whose stages torch runs as captured graphs that tensor parallelism cannot split; fix: "
                          "tensor_parallel_degree 1, or hold the model's layers in an nn.ModuleList")
-    if config.shard_optimizer_state or config.effective_zero_stage == 1:
-        raise ValueError(f"{name} has no list of repeated blocks, so the pipeline is cut from its module graph, "
-                         "which does not combine with ZeRO-1 (shard_optimizer_state) yet; fix: use "
-                         "sharded_data_parallel_degree (ZeRO-3) or plain data parallelism with it")
     if config.stages_per_rank > 1:
         raise ValueError(f"{name} has no list of repeated blocks, so the pipeline is cut from its module graph into "
                          "one stage per rank; fix: drop virtual_stages, or hold the layers in an nn.ModuleList")
@@ -100,11 +96,14 @@ class GraphPipeline(Strategy):
 
     runs_whole_step = True
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, wrap_part: Callable):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, wrap_part: Callable,
+                 zero1: Optional[Callable[[frozenset[int]], Any]] = None):
+        """`wrap_part`: the composition's per-part step; `zero1`: ZeRO-1's binding given the tied copies whose
+        gradients the pipeline sums itself (None without ZeRO-1)."""
         check_graph_layout(config, model)
         place(model, mesh)
         super().__init__(StageModules([]), model)
-        self.mesh, self.config, self.wrap_part = mesh, config, wrap_part
+        self.mesh, self.config, self.wrap_part, self.zero1 = mesh, config, wrap_part, zero1
         self.built: Optional[PipelineParallel] = None
         self._deferred: list[_DeferredUpdate] = []
 
@@ -159,7 +158,8 @@ class GraphPipeline(Strategy):
         runner.schedule = build_schedule(config.pipeline_schedule, [
             EvalSafeStage(strategy.module, index, total, device, group=pp_mesh.get_group())],
             config.pipeline_round, runner.loss)
-        runner.binding = self.binding
+        if self.zero1 is not None:
+            runner.binding = self.zero1(deferred=ties.held())
         self.built = runner
         model.module = runner.module
         held = dict(model.named_parameters(remove_duplicate=False))
