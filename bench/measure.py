@@ -55,12 +55,22 @@ def _is_process_group(value) -> bool:
     return isinstance(value, torch.ScriptObject) and value._type().name() == "ProcessGroup"
 
 
-class _Collectives(TorchDispatchMode):
-    """Calls and bytes per (collective, group size); bytes of the largest tensor argument, i.e. the
-    full buffer (an all-gather's output, a reduce-scatter's input)."""
+def group_size(group: dist.ProcessGroup) -> str:
+    return str(group.size())
 
-    def __init__(self):
+
+def group_ranks(group: dist.ProcessGroup) -> str:
+    """`0,2`: the global ranks of the group, in its own rank order."""
+    return ",".join(map(str, dist.get_process_group_ranks(group)))
+
+
+class _Collectives(TorchDispatchMode):
+    """Calls and bytes per (collective, group as `describe` names it: its size by default); bytes of the
+    largest tensor argument, i.e. the full buffer (an all-gather's output, a reduce-scatter's input)."""
+
+    def __init__(self, describe: Callable[[dist.ProcessGroup], str] = group_size):
         super().__init__()
+        self.describe = describe
         self.counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -69,16 +79,17 @@ class _Collectives(TorchDispatchMode):
         if func.namespace in _COLLECTIVE_NAMESPACES and not func.__name__.startswith("wait"):
             leaves = pytree.tree_leaves((args, kwargs))
             nbytes = max((t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)), default=0)
-            groups = [dist.ProcessGroup.unbox(leaf).size() for leaf in leaves if _is_process_group(leaf)]
+            groups = [self.describe(dist.ProcessGroup.unbox(leaf)) for leaf in leaves if _is_process_group(leaf)]
             entry = self.counts[f"{_readable(func.__name__)}/{groups[0] if groups else '?'}"]
             entry[0] += 1
             entry[1] += nbytes
         return func(*args, **(kwargs or {}))
 
 
-def collectives(step: Callable[[], None]) -> dict[str, list[int]]:
-    """{"all-reduce/4": [calls, bytes], ...} for one step."""
-    counter = _Collectives()
+def collectives(step: Callable[[], None],
+                describe: Callable[[dist.ProcessGroup], str] = group_size) -> dict[str, list[int]]:
+    """{"all-reduce/4": [calls, bytes], ...} for one step (`describe=group_ranks`: "all-reduce/0,2")."""
+    counter = _Collectives(describe)
     with counter:
         step()
     return dict(counter.counts)

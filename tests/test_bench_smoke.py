@@ -1,6 +1,8 @@
-"""bench/sharding.py runs end to end: every configuration trains, and is timed and measured, in fp32 and bf16."""
+"""The benches run end to end: bench/sharding.py (every configuration trains, and is timed and measured, in fp32 and
+bf16) and bench/link.py on its namespace cluster (where there is root)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +33,55 @@ def test_sharding_bench_runs(tmp_path, precision):
     zero1, half = rows["shardwise ZeRO-1"], precision == "bf16"
     assert ("reduce/2" in zero1["collectives"]) == half
     assert zero1["memory_bytes"]["PARAM"] * (2 if half else 1) == rows["torch DDP"]["memory_bytes"]["PARAM"]
+
+
+LINK_BENCH = BENCH.parent / "link.py"
+ROOT = os.geteuid() == 0
+
+
+def _theory_all_reduce_bytes(width: int, units: int, shard_of: int, element: int) -> int:
+    """One replica pair's cross-group all-reduce in MiCS per step: each unit's gradient shard (a width × width
+    weight and a bias, split over the partition group) and one presence flag per parameter."""
+    return units * (width * width // shard_of + width // shard_of + 2) * element
+
+
+@pytest.mark.skipif(not ROOT, reason="bench/link.py builds network namespaces, which needs root")
+def test_link_bench_runs_on_the_namespace_cluster(tmp_path):
+    """bench/link.py --smoke: every configuration trains one step on two namespaced nodes of two ranks; MiCS keeps
+    gathers and reduce-scatters inside a node, and only its all-reduce crosses, in bf16 half the bytes; what the
+    veth counted is at least what the ring algorithms must send; the cluster is gone afterwards."""
+    out = tmp_path / "link.json"
+    result = subprocess.run([sys.executable, str(LINK_BENCH), "--smoke", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    rows = json.loads(out.read_text())["results"]["none"]
+    assert set(rows) == {"compute only (nothing sent)", "torch DDP", "torch FSDP2 (flat)", "torch FSDP2 HSDP",
+                         "shardwise DDP", "shardwise ZeRO-3", "shardwise MiCS", "shardwise MiCS bf16 cross-group"}
+    nodes, pairs = {"0,1", "2,3"}, {"0,2", "1,3"}
+    for name in ("shardwise MiCS", "shardwise MiCS bf16 cross-group", "torch FSDP2 HSDP"):
+        groups = {key.split("/")[0]: set() for key in rows[name]["group_bytes"]}
+        for key in rows[name]["group_bytes"]:
+            op, ranks = key.split("/")
+            groups[op].add(ranks)
+        assert groups == {"all-gather": nodes, "reduce-scatter": nodes, "all-reduce": pairs}, (name, groups)
+    fp32, bf16 = (rows[name]["group_bytes"]["all-reduce/0,2"] for name in ("shardwise MiCS",
+                                                                              "shardwise MiCS bf16 cross-group"))
+    assert fp32 == _theory_all_reduce_bytes(64, 3, 2, 4) and bf16 == _theory_all_reduce_bytes(64, 3, 2, 2)
+    assert rows["shardwise MiCS"]["link_bytes_theory"] == 2 * fp32  # both replica pairs, one ring edge each way
+    for name, row in rows.items():
+        assert row["link_bytes"] >= row["link_bytes_theory"], name
+    order = [rows[n]["link_bytes_theory"] for n in ("shardwise MiCS", "shardwise DDP", "shardwise ZeRO-3")]
+    assert 0 < order[0] < order[1] < order[2]
+    assert "swnode0" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_namespace_cluster_refuses_without_root_in_one_line(monkeypatch, capsys):
+    """Without root bench/netns.py (and so bench/link.py) stops before touching anything, saying why."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import netns
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns, "_ip", lambda *args, **kwargs: pytest.fail(f"ran ip {args} without root"))
+    assert netns.main(["up", "--rate", "400mbit"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "bench/netns.py: the namespace cluster needs root (ip netns, tc): run it as root, e.g. with sudo"]

@@ -1,0 +1,125 @@
+"""A two-node cluster on one machine: two network namespaces joined by a veth pair shaped with `tc tbf`.
+
+    python bench/netns.py up [--rate 400mbit]    # create it (again), the link shaped to the rate or not at all
+    python bench/netns.py rate 800mbit|none      # reshape the link of the running cluster
+    python bench/netns.py down                   # remove it
+
+Each namespace is a node: its own loopback and one end of the pair
+(`ADDRESSES`, a /24), both ends' egress shaped by a token bucket (`tc tbf`;
+this kernel has no `netem`), so each direction carries at most the rate. Ranks
+on one node talk over its loopback; only traffic between the nodes crosses the
+pair, and each end's `tx_bytes` counts what left that node. `launch` starts
+`shardwise run --nnodes 2` node agents, one in each namespace, with gloo bound to
+the node's end of the pair (`GLOO_SOCKET_IFNAME`). Needs root (CAP_NET_ADMIN).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+NODES = ("swnode0", "swnode1")
+IFACES = ("swveth0", "swveth1")
+ADDRESSES = ("10.77.0.1", "10.77.0.2")
+MASTER_PORT = 29577
+
+
+class NotRootError(RuntimeError):
+    pass
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise NotRootError("the namespace cluster needs root (ip netns, tc): run it as root, e.g. with sudo")
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def _burst(rate: str) -> str:
+    """The bucket: 4 ms at the rate, at least 64 kB (one GSO segment must fit, or tbf drops it)."""
+    bits = float(rate.lower().removesuffix("bit").replace("k", "e3").replace("m", "e6").replace("g", "e9"))
+    return f"{max(int(bits / 8 * 0.004), 64 * 1024)}b"
+
+
+def shape(rate: Optional[str]) -> None:
+    """Shape both ends' egress to `rate` (tc's syntax, e.g. 400mbit), or remove the shaping (None)."""
+    for node, iface in zip(NODES, IFACES):
+        _ip("netns", "exec", node, "tc", "qdisc", "del", "dev", iface, "root", check=False)
+        if rate:
+            _ip("netns", "exec", node, "tc", "qdisc", "add", "dev", iface, "root", "tbf", "rate", rate,
+                "burst", _burst(rate), "latency", "100ms")
+
+
+def up(rate: Optional[str]) -> None:
+    """Create the cluster (removing an earlier one first)."""
+    require_root()
+    down()
+    for node in NODES:
+        _ip("netns", "add", node)
+        _ip("-n", node, "link", "set", "lo", "up")
+    _ip("link", "add", IFACES[0], "netns", NODES[0], "type", "veth", "peer", "name", IFACES[1], "netns", NODES[1])
+    for node, iface, address in zip(NODES, IFACES, ADDRESSES):
+        _ip("-n", node, "addr", "add", f"{address}/24", "dev", iface)
+        _ip("-n", node, "link", "set", iface, "up")
+    shape(rate)
+
+
+def down() -> None:
+    """Remove the namespaces (and with them the pair); nothing to do when there are none."""
+    require_root()
+    for node in NODES:
+        _ip("netns", "del", node, check=False)
+
+
+def tx_bytes(node: int) -> int:
+    """Bytes that have left `node` over the pair."""
+    stats = json.loads(_ip("-n", NODES[node], "-s", "-j", "link", "show", "dev", IFACES[node]).stdout)
+    return stats[0]["stats64"]["tx"]["bytes"]
+
+
+def launch(script: Sequence[str], nproc_per_node: int, run_dir: str, timeout: float) -> None:
+    """Run `shardwise run ... script` on both nodes (2 × `nproc_per_node` ranks); raise if either fails."""
+    shardwise = shutil.which("shardwise") or sys.exit("bench/netns.py: the `shardwise` command is not installed")
+    agents = []
+    for rank, (node, iface) in enumerate(zip(NODES, IFACES)):
+        command = ["ip", "netns", "exec", node, shardwise, "run", "--nnodes", "2", "--node-rank", str(rank),
+                   "--nproc-per-node", str(nproc_per_node), "--master-addr", ADDRESSES[0],
+                   "--master-port", str(MASTER_PORT), "--run-dir", run_dir, "--console-ranks", "none", *script]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": iface}
+        agents.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    for rank, (agent, output) in enumerate(zip(agents, outputs)):
+        if agent.returncode != 0:
+            raise RuntimeError(f"node {rank} exited {agent.returncode}:\n{output[-3000:]}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("up").add_argument("--rate", help="tc rate of each direction, e.g. 400mbit (default: none)")
+    commands.add_parser("rate").add_argument("rate", help="e.g. 800mbit, or none")
+    commands.add_parser("down")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            up(args.rate)
+        elif args.command == "rate":
+            require_root()
+            shape(None if args.rate == "none" else args.rate)
+        else:
+            down()
+    except NotRootError as err:
+        print(f"bench/netns.py: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
