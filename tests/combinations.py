@@ -38,6 +38,8 @@ LAYOUTS: dict[str, tuple[int, int, dict]] = {
     "tp-sharded": (4, 4, {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}),
     "pp": (4, 4, {"pipeline_parallel_degree": 2, "microbatches": 2}),
     "pp-tp-dp": (8, 4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}),
+    # cut from the module graph at the first step instead of along the block list
+    "pp-graph": (4, 4, {"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline_cut": "graph"}),
     "sp": (4, 4, {"tensor_parallel_degree": 2, "sequence_parallel": True}),
     "pp-sp": (4, 4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True,
                      "microbatches": 2}),  # refused: sequence parallelism has no pipeline yet

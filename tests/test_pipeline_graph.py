@@ -16,8 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise.config import ConfigError
 from shardwise.parallel.pipeline.graph_cut import cut_graph
 from shardwise.testing import run_distributed
+from shardwise.topology import Cluster
+from shardwise.topology.layout import validate
 from test_pipeline import PP2, PP4, check, train_all
 from tiny_models import IMAGE, CHANNELS, TinyCNN, build, dataset
 
@@ -117,12 +120,21 @@ def refused(config: dict) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("config, words", [
+GRAPH_REFUSALS = [
     ({**PP2, "tensor_parallel_degree": 2}, "tensor parallelism cannot split"),
-    ({**PP2, "pipeline_schedule": "interleaved_1f1b"}, "one stage per rank"),
-])
+    ({**PP2, "pipeline_schedule": "interleaved_1f1b"}, "the module-graph pipeline cut runs one"),
+    ({**PP2, "bf16": True}, "captures the forward in fp32 only so far"),
+]
+
+
+@pytest.mark.parametrize("config, words", GRAPH_REFUSALS)
 def test_layouts_the_graph_cut_does_not_combine_with_are_refused(config, words):
-    assert all(words in message for message in run_distributed(refused, 4, config, timeout=300))
+    """At DistributedModel for a model without blocks; before launch for `pipeline_cut: graph`."""
+    for message in run_distributed(refused, 4, config, timeout=300):
+        assert message.startswith("invalid shardwise config: ") and "TinyCNN has no list of repeated blocks" in message
+        assert words in message
+    with pytest.raises(ConfigError, match=words):
+        validate({**config, **GRAPH}, Cluster(1, 4))
 
 
 def optimizer_before_the_cut() -> str:

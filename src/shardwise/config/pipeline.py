@@ -50,9 +50,27 @@ def _round_problems(c: ShardwiseConfig) -> Iterable[Problem]:
                       f"use a multiple of {pp}")
 
 
+def graph_cut_problems(c: ShardwiseConfig) -> Iterable[Problem]:
+    """What the module-graph cut (parallel/pipeline/graph.py) does not combine with yet. Checked here for
+    `pipeline_cut: graph`, and when a model without blocks is wrapped for `auto`."""
+    why = "the module-graph pipeline cut"
+    if c.tensor_parallel_degree > 1:
+        yield Problem("tensor_parallel_degree", c.tensor_parallel_degree, f"{why} runs captured graphs that tensor "
+                      "parallelism cannot split", "use 1, or hold the model's layers in an nn.ModuleList (the "
+                      "block-list cut, pipeline_cut blocks)")
+    if c.stages_per_rank > 1:
+        yield Problem("pipeline_schedule", c.pipeline_schedule, f"runs {c.stages_per_rank} stages per rank; {why} "
+                      "runs one", "use gpipe or 1f1b")
+    if c.dtype_name != "fp32":
+        yield Problem(c.dtype_name, True, f"{why} captures the forward in fp32 only so far", "train in fp32 with "
+                      "this cut, or hold the model's layers in an nn.ModuleList (pipeline_cut blocks)")
+
+
 def pipeline_problems(c: ShardwiseConfig) -> Iterable[Problem]:
     """Every broken pipeline rule; none when pipeline_parallel_degree is 1."""
     if c.pipeline_parallel_degree == 1:
         return
     yield from _stage_problems(c)
     yield from _round_problems(c)
+    if c.pipeline_cut == "graph":
+        yield from graph_cut_problems(c)

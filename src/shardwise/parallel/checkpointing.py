@@ -34,12 +34,38 @@ from torch.utils.checkpoint import checkpoint
 from .activation_offload import offloaded_region
 from .pipeline.stage import Elsewhere
 
-_MARK = "_shardwise_checkpointed"
+_MARK = "_shardwise_checkpointed"  # holds how: (layers per region, None for every run it holds; preserve_rng_state)
 _GROUP = re.compile(r"group_([1-9][0-9]*)")
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    return getattr(module, _MARK, False)
+    return hasattr(module, _MARK)
+
+
+def lift_checkpointing(model: nn.Module) -> dict[str, tuple[Optional[int], bool]]:
+    """Undo `set_activation_checkpointing` on every module of `model`, and say how each was checkpointed (path ->
+    (layers per region, preserve_rng_state)): a capture of the model's forward sees its plain forward, and the
+    regions are set again on the modules that replace these (`restore_checkpointing`)."""
+    lifted = {}
+    for path, module in model.named_modules():
+        if is_checkpointed(module):
+            lifted[path] = getattr(module, _MARK)
+            del module.forward  # the class's forward again
+            delattr(module, _MARK)
+    return lifted
+
+
+def restore_checkpointing(model: nn.Module, lifted: dict[str, tuple[Optional[int], bool]]) -> None:
+    """Checkpoint again, in `model`, the modules `lift_checkpointing` took them from that it holds."""
+    held = dict(model.named_modules())
+    for path, (size, preserve_rng_state) in lifted.items():
+        if path not in held:
+            continue
+        if size != 1:
+            raise ValueError(f"{path}: checkpointing groups of layers (strategy {'contiguous' if size is None else f'group_{size}'}) "
+                             "needs an nn.Sequential's forward, which the module-graph pipeline cut replaces by a "
+                             "captured graph; fix: set_activation_checkpointing(..., strategy='each')")
+        _checkpoint_module(held[path], preserve_rng_state)
 
 
 def apply_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
@@ -100,7 +126,7 @@ def _checkpoint_module(module: nn.Module, preserve_rng_state: bool) -> None:
         return checkpointed(original, *args, preserve_rng_state=preserve_rng_state, **kwargs)
 
     module.forward = forward
-    setattr(module, _MARK, True)
+    setattr(module, _MARK, (1, preserve_rng_state))
 
 
 def _checkpoint_groups(sequential: nn.Sequential, size: Optional[int], preserve_rng_state: bool) -> None:
@@ -113,7 +139,7 @@ def _checkpoint_groups(sequential: nn.Sequential, size: Optional[int], preserve_
         return checkpoint_in_groups(list(sequential), input, size, preserve_rng_state)
 
     sequential.forward = forward
-    setattr(sequential, _MARK, True)
+    setattr(sequential, _MARK, (size, preserve_rng_state))
 
 
 def checkpoint_in_groups(layers: list[nn.Module], input: Any, size: Optional[int], preserve_rng_state: bool) -> Any:

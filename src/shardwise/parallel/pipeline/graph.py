@@ -14,6 +14,7 @@ the optimizers bound to it are bound again to this rank's stage.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Any, Callable, ContextManager, Optional
 
@@ -23,10 +24,13 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 from ...api.param_mapping import adopt_model_parameters
+from ...config.errors import ConfigError
+from ...config.pipeline import graph_cut_problems
 from ...config.schema import ShardwiseConfig
 from ...runtime.mesh import ParallelMesh
 from ..materialize import place
 from ..strategy import OptimizerUpdate, Pieces, Strategy
+from ..checkpointing import lift_checkpointing, restore_checkpointing
 from .calls import capture
 from .graph_cut import captured, cut_graph
 from .graph_stage import GraphStage, Wiring
@@ -42,15 +46,12 @@ def memory_weight(config: ShardwiseConfig) -> float:
 
 
 def check_graph_layout(config: ShardwiseConfig, model: nn.Module) -> None:
-    """What a pipeline cut from the module graph does not combine with yet, refused before anything runs."""
-    name = type(model).__name__
-    if config.tensor_parallel_degree > 1:
-        raise ValueError(f"{name} has no list of repeated blocks, so the pipeline is cut from its module graph, "
-                         "whose stages torch runs as captured graphs that tensor parallelism cannot split; fix: "
-                         "tensor_parallel_degree 1, or hold the model's layers in an nn.ModuleList")
-    if config.stages_per_rank > 1:
-        raise ValueError(f"{name} has no list of repeated blocks, so the pipeline is cut from its module graph into "
-                         "one stage per rank; fix: drop virtual_stages, or hold the layers in an nn.ModuleList")
+    """What the module-graph cut does not combine with yet (config/pipeline.py), refused before anything runs:
+    config validation has refused it already for `pipeline_cut: graph`, this is for a model without blocks."""
+    problems = list(graph_cut_problems(config))
+    if problems:
+        raise ConfigError([dataclasses.replace(problem, rule=f"{type(model).__name__} has no list of repeated blocks, "
+                                               f"so {problem.rule}") for problem in problems])
 
 
 def _distinct(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +129,7 @@ class GraphPipeline(Strategy):
     def _build(self, model: Any, fn: Callable, pieces: Pieces) -> None:
         whole, config, mesh = self.inner, self.config, self.mesh
         forward = whole.forward
+        checkpointed = lift_checkpointing(whole)  # captured plain; set again on this rank's stage below
         inputs = capture(fn, model, forward, *pieces[0])
         pp_mesh = mesh["pp"]
         pp, pp_rank, total = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.size()
@@ -146,6 +148,7 @@ class GraphPipeline(Strategy):
         index = next(s for s in range(total) if ranks[s] == pp_rank)
         inner = pipe.get_stage_module(index)
         _as_in_model(inner, whole)
+        restore_checkpointing(inner, checkpointed)
         ties = TiedWeights(inner, _tied_groups(pipe.replicated_params, wiring.module_names), [index])
         ties.connect(mesh.layout, dist.get_rank(), ranks)
         ties.broadcast_values()

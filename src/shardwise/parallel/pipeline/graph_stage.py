@@ -72,6 +72,19 @@ def _contiguous(value: Any) -> Any:
     return value.contiguous() if isinstance(value, torch.Tensor) else value
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose gradient is made contiguous: the previous stage receives it into a buffer laid out as
+    the gradient, and gloo/NCCL need that buffer contiguous (a gradient through a transpose is not)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class GraphStage(nn.Module):
     """Stage `index` of the split model: `forward(*received, **model_inputs)` → what the next stage receives, or
     on the last stage the model's outputs as tensors."""
@@ -93,6 +106,7 @@ class GraphStage(nn.Module):
         """Nothing to hook: the graph module takes and returns exactly what crosses the stage's edges."""
 
     def forward(self, *received: torch.Tensor, **inputs: Any) -> Any:
+        received = tuple(_ContiguousGrad.apply(t) if t.requires_grad else t for t in received)
         values = dict(zip(self._receives, received))
 
         def get(source: Source) -> Any:
