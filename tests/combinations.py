@@ -45,18 +45,20 @@ LAYOUTS: dict[str, tuple[int, int, dict]] = {
                      "microbatches": 2}),  # refused: sequence parallelism has no pipeline yet
 }
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
+# What moves to host memory: nothing, the optimizer's states (and what it steps), or checkpointed regions' inputs.
+OFFLOADS = {"none": {}, "optimizer": {"offload_optimizer_state": True}, "activations": {"offload_activations": True}}
 
 # Rows the matrix once found wrong, run besides the covering array: (layout, family, precision, clipping,
-# checkpointing, optimizer, resume).
+# checkpointing, optimizer, resume, offload).
 REGRESSIONS = [
-    ("tp-world", "gpt2", "fp16", True, False, "after", False),   # the loss scaler met DTensor and plain gradients
-    ("mics", "bert", "fp32", False, False, "after", False),      # BERT's tied embeddings sat in two FSDP units
-    ("tp-sharded", "bert", "bf16", True, False, "after", False),
-    ("pp", "llama", "fp16", False, True, "after", False),        # stand-ins of other stages computed in fp32
-    ("zero3", "llama", "fp32", True, True, "before", False),     # an optimizer built first kept stale parameters
-    ("tp", "gpt2", "fp32", True, False, "before", False),
-    ("tp", "gpt2", "fp32", False, False, "after", True),         # DCP wrote packed Q/K/V's pieces overlapping
-    ("pp", "gpt2", "fp32", False, False, "after", True),         # a tied weight's optimizer state under one name
+    ("tp-world", "gpt2", "fp16", True, False, "after", False, "none"),  # the loss scaler met DTensor and plain grads
+    ("mics", "bert", "fp32", False, False, "after", False, "none"),     # BERT's tied embeddings sat in two FSDP units
+    ("tp-sharded", "bert", "bf16", True, False, "after", False, "none"),
+    ("pp", "llama", "fp16", False, True, "after", False, "none"),       # stand-ins of other stages computed in fp32
+    ("zero3", "llama", "fp32", True, True, "before", False, "none"),    # an optimizer built first kept stale parameters
+    ("tp", "gpt2", "fp32", True, False, "before", False, "none"),
+    ("tp", "gpt2", "fp32", False, False, "after", True, "none"),        # DCP wrote packed Q/K/V's pieces overlapping
+    ("pp", "gpt2", "fp32", False, False, "after", True, "none"),        # a tied weight's optimizer state under one name
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {
@@ -67,6 +69,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "checkpointing": (False, True),
     "optimizer": ("after", "before"),
     "resume": (False, True),
+    "offload": tuple(OFFLOADS),
 }
 
 # Relative tolerances against the fp32 process: fp32 differs by summation order only; bf16 keeps 8 bits of
@@ -116,13 +119,14 @@ def product(axes: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
 def name_of(combo: dict[str, Any]) -> str:
     flags = [f"{combo['layout']}", combo["family"], combo["precision"]]
     flags += [axis for axis in ("clipping", "checkpointing", "resume") if combo[axis]]
+    flags += [f"offload-{combo['offload']}"] if combo["offload"] != "none" else []
     return "-".join(flags + [f"opt-{combo['optimizer']}"])
 
 
 def config_for(combo: dict[str, Any]) -> tuple[int, int, dict]:
     """(world size, ranks per node, config) of a combination; the replica check runs after every step."""
     world, per_node, layout = LAYOUTS[combo["layout"]]
-    config = {**layout, **PRECISIONS[combo["precision"]], "replica_check_interval": 1}
+    config = {**layout, **PRECISIONS[combo["precision"]], **OFFLOADS[combo["offload"]], "replica_check_interval": 1}
     if combo["clipping"]:
         config["gradient_clipping"] = CLIP
     return world, per_node, config

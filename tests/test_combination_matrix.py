@@ -3,8 +3,9 @@
 The axes (tests/combinations.py): layout (DDP, ZeRO-1/2/3, MiCS, TP, TP × sharded,
 PP, PP × TP × DP, sequence parallelism), precision, gradient clipping, activation
 checkpointing, the optimizer built before or after the model, a save and resume
-(through an extra step that must leave no trace) part way, and the model family
-(GPT-2 with its fused attention, Llama, BERT with its tied head, a plain
+(through an extra step that must leave no trace) part way, what goes to host memory
+(nothing, the optimizer's states, or checkpointed regions' inputs), and the model
+family (GPT-2 with its fused attention, Llama, BERT with its tied head, a plain
 `nn.Module`). A pairwise covering array picks a few dozen rows that together hold
 every pair of values. For each row, the validation `check-config` runs decides:
 

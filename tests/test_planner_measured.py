@@ -6,8 +6,9 @@ their most during backward) must match `predict_memory` within ±10 %, activatio
 ±25 %. Single-process runs cover the four families
 in plain PyTorch; the sharded runs train GPT-2 with shardwise itself on 4 gloo
 ranks under DDP, ZeRO-1, ZeRO-2, ZeRO-3 and MiCS, in fp32 and bf16, and ZeRO-1 in
-bf16 with tensor parallelism 2. The peak of the whole step must stay under the
-predicted total and within 25 % of it.
+bf16 with tensor parallelism 2, and ZeRO-1 and ZeRO-3 with their optimizer states
+offloaded (to the host memory a CPU device already is). The peak of the whole step
+must stay under the predicted total and within 25 % of it.
 """
 
 import pytest
@@ -164,6 +165,9 @@ SHARDED = {
 SHARDED.update({f"{name} bf16": {**config, "bf16": True} for name, config in SHARDED.items()})
 # SMP's reference layouts: ZeRO-1 in half precision with tensor parallelism (each TP rank computes the group's rows).
 SHARDED["ZeRO-1 bf16 TP 2"] = {"shard_optimizer_state": True, "bf16": True, "tensor_parallel_degree": 2}
+# Optimizer-state offload on the CPU, where nothing moves: fp32 ZeRO-1 steps masters of its share, ZeRO-3 is as without.
+SHARDED["ZeRO-1 offload"] = {"shard_optimizer_state": True, "offload_optimizer_state": True}
+SHARDED["ZeRO-3 offload"] = {"sharded_data_parallel_degree": WORLD, "offload_optimizer_state": True}
 
 
 def measure_shardwise(config: dict) -> dict:

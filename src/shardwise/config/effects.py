@@ -64,6 +64,8 @@ def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
         yield "prescaled_batch", "needs tensor_parallel_degree > 1"
     if not c.offload_activations and changed(c, "activation_loading_horizon"):
         yield "activation_loading_horizon", "needs offload_activations"
+    if c.offload_optimizer_state and c.effective_zero_stage == 0:
+        yield "offload_optimizer_state", "needs shard_optimizer_state or zero_stage 1, 2 or 3"
     if c.effective_zero_stage < 2 and changed(c, "auto_wrap_min_params"):
         yield "auto_wrap_min_params", "sizes ZeRO-2/3 sharding units; needs zero_stage 2 or 3"
     no_mics = c.sharded_data_parallel_degree == 1 or c.pipeline_parallel_degree > 1

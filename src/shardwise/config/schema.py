@@ -66,6 +66,10 @@ class ShardwiseConfig(SmpOnlySettings):
                                       "host memory between forward and backward (nothing moves on a CPU device).")
     activation_loading_horizon: int = Field(4, ge=0, description="With offload_activations: when backward reaches "
                                             "a region, the regions before it whose inputs are fetched back too.")
+    offload_optimizer_state: bool = Field(
+        False, description="Keep what the optimizer steps in host memory and step it there: under ZeRO-1 the fp32 "
+        "masters and states of each rank's share; under ZeRO-2/3 and MiCS FSDP2's parameter shards, their gradients "
+        "and the states (CPUOffloadPolicy). On a CPU device nothing moves.")
     delayed_parameter_initialization: bool = Field(
         False, description="sw.delay_param_initialization() builds the model on the meta device; DistributedModel "
         "materialises only what this rank runs (its pipeline stages).")
@@ -148,8 +152,9 @@ class ShardwiseConfig(SmpOnlySettings):
     @property
     def sharded_master_weights(self) -> bool:
         """ZeRO-1 in bf16/fp16: replicas keep parameters and gradients in the compute dtype, and each rank
-        fp32 master copies of only its share (parallel/master_weights.py; the planner models the same)."""
-        return self.effective_zero_stage == 1 and self.dtype_name != "fp32"
+        fp32 master copies of only its share (parallel/master_weights.py; the planner models the same). With
+        offload_optimizer_state in fp32 too: the masters are what goes to host memory."""
+        return self.effective_zero_stage == 1 and (self.dtype_name != "fp32" or self.offload_optimizer_state)
 
     @property
     def dtype_name(self) -> str:

@@ -19,6 +19,10 @@ FRAGMENTATION_MARGIN = 0.10
 # Adam / AdamW keep two fp32 moments per parameter (exp_avg, exp_avg_sq).
 OPTIMIZER_STATE_BYTES = 8
 
+# Bytes/s one rank's optimizer step reads and writes in host memory when its states are offloaded
+# (torch's CPU AdamW on the few cores and the share of DRAM bandwidth a node gives each device).
+HOST_OPTIMIZER_BANDWIDTH = 10e9
+
 # Gradient buckets of DDP and ZeRO-1 (PyTorch DDP's default bucket_cap_mb): one collective, and one
 # latency, per bucket. ZeRO-2/3 issue one collective per transformer block instead. The runtime's value.
 from ..parallel.zero1.shares import BUCKET_BYTES  # noqa: E402,F401

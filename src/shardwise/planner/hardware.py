@@ -44,6 +44,7 @@ class DeviceSpec:
     host_bandwidth: float                # bytes/s to host memory, for activation offload
     runtime_reserve_bytes: float = 0.0   # CUDA context, library workspaces: never available to tensors
     kernels: Kernels = field(default_factory=Kernels)
+    memory_is_host: bool = False         # a CPU: offloading to host memory moves nothing and saves nothing
 
     def supports(self, dtype: str) -> bool:
         return dtype in self.peak_flops
@@ -114,7 +115,7 @@ def local_node(processes: Optional[int] = None) -> dict:
     cpu = DeviceSpec("CPU", ram / processes, {"fp32": _CPU_CORE_FLOPS, "bf16": _CPU_CORE_FLOPS},
                      20 * GB / processes, 20 * GB / processes,
                      kernels=Kernels(dropout_mask_bytes=None, flash_attention=True, flash_attention_dropout=False,
-                                     math_attention_bytes=4))
+                                     math_attention_bytes=4), memory_is_host=True)
     return dict(devices_per_node=processes, device=cpu, intra_node_bandwidth=5 * GB,
                 intra_node_latency=50e-6, inter_node_bandwidth=1.25 * GB, inter_node_latency=100e-6)
 

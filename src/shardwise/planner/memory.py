@@ -8,7 +8,8 @@ more on the busiest rank), and in bf16/fp16 keeps SMP's layout: parameters 2a an
 gradients at most 2a on every replica (buckets carry them off during backward),
 fp32 masters and moments 12a/n; ZeRO-2/3 shard all
 three (16a/n). With MiCS, n is the partition-group size; ZeRO-1 shards over every
-data-parallel rank.
+data-parallel rank. `offload_optimizer_state` keeps ZeRO-1's masters and moments, and
+all three of ZeRO-2/3's, in host memory (offload.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..topology import Layout
 from . import assumptions as A
 from .activations import rank_activations
 from .hardware import DeviceSpec, Kernels
+from .offload import host_states, moves_to_host
 from .spec import ModelSpec
 from .wrapping import (comm_buffer_bytes, gathered_bytes, gradient_fraction, numerics, optimizer_bytes,
                        optimizer_share, shard_degrees, stored_bytes)
@@ -87,18 +89,23 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
 
     `micro_batch` is sequences per microbatch on one rank (tensor-parallel ranks share them).
     `device` supplies kernel facts and the runtime reserve; without it, GPU kernels and no reserve.
+    Offloaded activations and model states (offload.py) are `offloaded`, except on a device whose
+    memory is the host's, where the runtime keeps them where they are.
     """
     kernels = device.kernels if device else Kernels()
     states = model_state_bytes(spec.stage_parameters(layout.pp) / layout.tp, config, layout,
                                optimizer_share(spec, config, layout), gradient_fraction(spec, config, layout))
+    on_host = host_states(config, device)
+    host_bytes = sum(states[k] for k in on_host)
+    states = {k: 0.0 if k in on_host else v for k, v in states.items()}
     gathered = gathered_bytes(spec, config, layout)
     acts = rank_activations(spec, seq=seq, micro_batch=micro_batch, numerics=numerics(config, layout),
                             tp=layout.tp, pp=layout.pp, in_flight=in_flight_microbatches(config, layout),
-                            checkpointing=checkpointing, offload=config.offload_activations,
+                            checkpointing=checkpointing, offload=config.offload_activations and moves_to_host(device),
                             loading_horizon=config.activation_loading_horizon, kernels=kernels,
                             sequence_parallel=config.sequence_parallel)
     buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq)
     accounted = sum(states.values()) + gathered + acts.device + buffers
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0,
-                           fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host)
+                           fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host + host_bytes)

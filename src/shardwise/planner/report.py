@@ -30,6 +30,11 @@ def strategy(e: Evaluation) -> str:
     return f"ZeRO-{stage}"
 
 
+def _sharding(e: Evaluation) -> str:
+    """`strategy`, `offload` added when the optimizer's states live in host memory."""
+    return strategy(e) + (" offload" if e.config.get("offload_optimizer_state") else "")
+
+
 def _tensor_parallel(e: Evaluation) -> str:
     """The tensor-parallel degree, `sp` added with sequence parallelism."""
     return f"{e.layout.tp}" + (" sp" if e.config.get("sequence_parallel") else "")
@@ -57,7 +62,7 @@ def ranked_table(plan: Plan, top: int) -> Table:
     for i, e in enumerate(plan.fitting[:top], 1):
         memory = e.memory.summary()
         table.add_row(str(i), _tensor_parallel(e), str(e.layout.pp), f"{e.layout.dp_replicate}×{e.layout.dp_shard}",
-                      strategy(e), e.checkpointing, _microbatching(e),
+                      _sharding(e), e.checkpointing, _microbatching(e),
                       *(f"{memory[k] / GiB:.1f}" for k in _MEMORY_COLUMNS),
                       f"{e.step_time:.3f}", f"{e.time.tokens_per_s:,.0f}", f"{e.time.mfu:.0%}")
     return table
@@ -104,7 +109,7 @@ def print_plan(plan: Plan, top: int, explain: bool, console: Optional[Console] =
     rejected = [e for e in plan.considered if not e.fits]
     console.print(f"rejected layouts ({len(rejected)}):")
     for e in rejected:
-        console.print(f"  {_degrees(e)} {strategy(e)} ckpt={e.checkpointing}: {e.reason}",
+        console.print(f"  {_degrees(e)} {_sharding(e)} ckpt={e.checkpointing}: {e.reason}",
                       markup=False, highlight=False)
 
 

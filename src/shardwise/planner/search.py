@@ -1,9 +1,11 @@
 """Enumerate configurations for a model on a cluster, predict each, keep the fitting ones ranked.
 
 A *layout considered* is one choice of degrees (tp, pp, MiCS group), ZeRO stage and
-checkpointing strategy. For each, the microbatch count, activation offload and
-sequence parallelism are chosen here: the fastest variant that fits, else the one
-needing the least memory (whose overflow `--explain` reports). Every candidate is
+checkpointing strategy. For each, the microbatch count, activation and optimizer-state
+offload and sequence parallelism are chosen here: the fastest variant that fits, else
+the one needing the least memory (whose overflow `--explain` reports). Offloading is
+slower, so it is proposed only where it makes a layout fit, and never on a device
+whose memory is the host's. Every candidate is
 a plain dict of config keys checked by `validate`, the validation `shardwise run`
 applies, so a plan is a config `run` accepts as is: a variant needing a feature this
 release lacks is never proposed, and is again once a release builds it.
@@ -22,6 +24,7 @@ from .activations import CHECKPOINTING
 from .errors import PlanError
 from .hardware import GiB, ClusterSpec
 from .memory import MemoryBreakdown, predict_memory
+from .offload import moves_to_host
 from .spec import ModelSpec
 from .timing import StepTime, predict_step_time
 
@@ -182,13 +185,13 @@ def evaluate(spec: ModelSpec, cluster: ClusterSpec, config: Union[Mapping, Shard
     return _predict(spec, cluster, config, d, layout, checkpointing, batch, seq)
 
 
-def _variants(choice: _Choice, precision: str, batch: int) -> Iterator[dict]:
-    """Microbatching, offload and sequence parallelism for one choice: microbatch counts dividing the
-    replica's batch, offload only with checkpointing, pipelining and m > 1, sequence parallelism where
-    `_considered` found it allowed."""
+def _variants(choice: _Choice, precision: str, batch: int, host: bool) -> Iterator[dict]:
+    """Microbatching, activation offload and sequence parallelism for one choice: microbatch counts dividing
+    the replica's batch, activation offload with checkpointing, pipelining and m > 1 where the device has
+    memory apart from the `host`'s, sequence parallelism where `_considered` found it allowed."""
     tp, pp, stage, group, checkpointing, sequence = choice
     for m in (m for m in _powers_of_two(batch) if batch % m == 0):
-        offloads = [False, True] if pp > 1 and checkpointing != "none" and m > 1 else [False]
+        offloads = [False, True] if host and pp > 1 and checkpointing != "none" and m > 1 else [False]
         for offload, sp in product(offloads, sequence):
             yield config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
                               offload=offload, sequence_parallel=sp)
@@ -197,16 +200,21 @@ def _variants(choice: _Choice, precision: str, batch: int) -> Iterator[dict]:
 def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch: int, seq: int,
                   precision: str) -> Evaluation:
     """The fastest fitting variant of `choice` that `shardwise run` accepts, else the one needing the least
-    memory; when run refuses every variant, why it refuses the first."""
+    memory; when run refuses every variant, why it refuses the first. A sharded variant that does not fit
+    is tried again with its optimizer's states offloaded, where the device has memory apart from the host's."""
     results, refused = [], []
-    for d in _variants(choice, precision, batch):
-        try:
-            config, layout = validate(d, cluster.topology)
-        except ConfigError as err:
-            refused.append(_rejected(d, choice.requested_layout(cluster.world_size), choice.stage, err.problems,
-                                     choice.checkpointing, batch))
-            continue
-        results.append(_predict(spec, cluster, config, d, layout, choice.checkpointing, batch, seq))
+    host = moves_to_host(cluster.device)
+    for d in _variants(choice, precision, batch, host):
+        for candidate in (d, {**d, "offload_optimizer_state": True}):
+            try:
+                config, layout = validate(candidate, cluster.topology)
+            except ConfigError as err:
+                refused.append(_rejected(candidate, choice.requested_layout(cluster.world_size), choice.stage,
+                                         err.problems, choice.checkpointing, batch))
+                break
+            results.append(_predict(spec, cluster, config, candidate, layout, choice.checkpointing, batch, seq))
+            if results[-1].fits or not (host and choice.stage):
+                break
     if not results:
         return refused[0]
     fitting = [e for e in results if e.fits]

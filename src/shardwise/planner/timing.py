@@ -10,7 +10,8 @@ a pipeline the last one), as DDP's all-reduce overlaps the last, and its paramet
 broadcasts after the step overlap the next forward, all but the first bucket (not
 where FSDP2's `replicate` copies every parameter before forward). Tensor-parallel
 collectives sit on the critical path; so do pipeline fill/drain sends and the update
-itself.
+itself, which runs on the host, slower, when optimizer states are offloaded (their
+copies between host and device: offload.py).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from . import assumptions as A
 from .activations import CHECKPOINTING
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .hardware import ClusterSpec
+from .offload import host_states, moves_to_host, state_transfers
 from .spec import ModelSpec
-from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, first_broadcast_bucket, optimizer_share,
-                       reduce_buckets, replicated_by_fsdp, stored_bytes)
+from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, first_broadcast_bucket, fully_sharded,
+                       optimizer_share, reduce_buckets, replicated_by_fsdp, stored_bytes)
 
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
@@ -53,7 +55,7 @@ class StepTime:
     pipeline_bubble: float
     pipeline_p2p: float
     optimizer: float
-    offload: float            # exposed part of activation transfers to host and back
+    offload: float            # exposed part of transfers to host memory and back (activations, optimizer states)
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     collectives: tuple[Collective, ...] = ()
@@ -187,20 +189,31 @@ def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float, ro
 def _optimizer_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
                        rank_params: float) -> float:
     """Adam's update is memory-bound: read and write moments and the fp32 parameter (or master), read the
-    fp32 gradient; the busiest rank's share of them."""
+    fp32 gradient; the busiest rank's share of them, in host memory when the states are offloaded."""
     updated = rank_params * optimizer_share(spec, config, layout)
     touched = updated * (2 * (A.OPTIMIZER_STATE_BYTES + FP32_BYTES) + FP32_BYTES)
-    return touched / cluster.device.memory_bandwidth
+    on_host = host_states(config, cluster.device)
+    return touched / (A.HOST_OPTIMIZER_BANDWIDTH if on_host else cluster.device.memory_bandwidth)
 
 
 def _offload_seconds(config: ShardwiseConfig, cluster: ClusterSpec, checkpointing: str, layers: int,
                      activation: float, compute: float) -> float:
     """Exposed part of moving each kept block input to host in forward and back in backward."""
     group = CHECKPOINTING[checkpointing]
-    if not (config.offload_activations and group):
+    if not (config.offload_activations and group and moves_to_host(cluster.device)):
         return 0.0
     moved = 2 * config.microbatches * -(-layers // group) * activation / cluster.device.host_bandwidth
     return _phase(compute, LinkTime(intra=moved), layers) - compute
+
+
+def _state_offload_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
+                           compute: float) -> float:
+    """Exposed part of moving offloaded optimizer states' values: ZeRO-1's cross around the step, where nothing
+    hides them; FSDP2 copies each unit's shards while other units compute."""
+    moved = state_transfers(spec, config, layout, cluster.device).total / cluster.device.host_bandwidth
+    if not moved or not fully_sharded(config):
+        return moved
+    return _phase(compute, LinkTime(intra=moved), spec.stage_layers(layout.pp)) - compute
 
 
 def pipeline_rounds(config: ShardwiseConfig) -> int:
@@ -242,7 +255,8 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
                     pipeline_bubble=(pipeline_slots(config, layout) - m) * t_mb,
                     pipeline_p2p=_pipeline_p2p(traffic, cluster, activation, pipeline_rounds(config)),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
-                    offload=_offload_seconds(config, cluster, checkpointing, layers, activation, m * busy))
+                    offload=_offload_seconds(config, cluster, checkpointing, layers, activation, m * busy)
+                    + _state_offload_seconds(spec, config, layout, cluster, m * busy))
     tokens_per_s = micro_batch * m * layout.dp * seq / time.total
     mfu = tokens_per_s * spec.flops_per_token(seq) / (cluster.world_size * peak)
     return StepTime(**time.parts(), tokens_per_s=tokens_per_s, mfu=mfu, collectives=tuple(traffic.records))

@@ -13,6 +13,11 @@ masters (and the half-precision gradients are freed). Under a pipeline the
 schedule's microbatches accumulate in the compute dtype and travel during the
 last one's backward.
 
+With `offload_optimizer_state` the masters, and with them the optimizer's states,
+live in host memory (optimizer_offload.py); fp32 training gets masters then too,
+host copies of its share. The gradients wait on the device until the step hands
+them over.
+
 Why fp32: a sum of n replicas' gradients in bf16 loses about log2(n) of bf16's 8
 mantissa bits. Why every microbatch: accumulating m microbatches in bf16 adds an
 error that grows like √m (docs/sharding.md has the measurement), while the
@@ -38,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from ...torch_internals import version
 from ..clipping import clip_grad_norm_
 from ..local import local_tensor
+from ..optimizer_offload import hand_gradients_to, master_copy
 from .gradient_buckets import GradientBuckets
 from .optimizer_state import OptimizerStateSharding
 
@@ -60,12 +66,13 @@ class MasterWeights:
         for group in optimizer.param_groups:  # already this rank's share
             group["params"] = [self._master(p) if p.requires_grad else p for p in group["params"]]
         self.param_of = {id(master): param for param, master in self.masters.items()}
-        self._replicas_with_grad: dict[nn.Parameter, torch.Tensor] = {}  # since the last step
+        self._gradients: dict[nn.Parameter, torch.Tensor] = {}  # since the last step, on the device
+        self._replicas_with_grad: dict[nn.Parameter, torch.Tensor] = {}
         self.buckets = GradientBuckets(sharding.owner_of, sharding.group, self._accumulate, passes, deferred)
         self._versions = self._current_versions()
 
     def _master(self, param: nn.Parameter) -> torch.Tensor:
-        master = local_tensor(param).detach().to(torch.float32, copy=True)
+        master = master_copy(local_tensor(param))  # in host memory with offload_optimizer_state
         self.masters[param] = master
         return master
 
@@ -74,24 +81,32 @@ class MasterWeights:
 
     @torch.no_grad()
     def _accumulate(self, params: list[nn.Parameter], grads: list[torch.Tensor], replicas: torch.Tensor) -> None:
-        """Add one bucket's averaged fp32 gradients into the masters' gradients; count on the device the replicas
-        that had each, so backward never waits for the device."""
+        """Add one bucket's averaged fp32 gradients into the masters' gradients, kept on the device (a master in
+        host memory gets its own at the step); count on the device the replicas that had each, so backward never
+        waits for the device."""
         for param, grad, count in zip(params, grads, replicas.unbind()):
             master = self.masters[param]
-            if master.grad is None:
-                master.grad, self._replicas_with_grad[param] = grad.view_as(master), count
-            else:
-                master.grad.add_(grad.view_as(master))
+            if param in self._gradients:
+                self._gradients[param].add_(grad.view(master.shape))
                 self._replicas_with_grad[param] = self._replicas_with_grad[param] + count
+                continue
+            self._gradients[param], self._replicas_with_grad[param] = grad.view(master.shape), count
+            if grad.device == master.device:
+                master.grad = self._gradients[param]
 
-    def drop_absent_gradients(self) -> None:
-        """A master whose parameter no replica had a gradient for keeps none, so the optimizer skips it as it
-        would in one process (read at the step, which waits for the device anyway)."""
+    def hand_over_gradients(self) -> None:
+        """Give the masters their gradients; a master whose parameter no replica had a gradient for keeps none,
+        so the optimizer skips it as it would in one process (read at the step, which waits for the device anyway)."""
         counts = torch.stack(list(self._replicas_with_grad.values())).tolist() if self._replicas_with_grad else []
-        for param, count in zip(self._replicas_with_grad, counts):
-            if count == 0:
-                self.masters[param].grad = None
-        self._replicas_with_grad = {}
+        present = [param for param, count in zip(self._replicas_with_grad, counts) if count]
+        for param in self._replicas_with_grad.keys() - set(present):
+            self.masters[param].grad = None
+        hand_gradients_to([self.masters[p] for p in present], [self._gradients[p] for p in present])
+        self.discard_gradients()
+
+    def discard_gradients(self) -> None:
+        """Forget the gradients kept since the last step (the optimizer's zero_grad)."""
+        self._gradients, self._replicas_with_grad = {}, {}
 
     @torch.no_grad()
     def adopt_changed_parameters(self) -> None:
@@ -100,7 +115,7 @@ class MasterWeights:
         is its master rounded (the same checkpoint) keeps the master."""
         for param, now in self._current_versions().items():
             value, master = local_tensor(param), self.masters[param]
-            if now != self._versions[param] and not torch.equal(value, master.to(value.dtype)):
+            if now != self._versions[param] and not torch.equal(value, master.to(value.device, value.dtype)):
                 master.copy_(value)
 
     def clip_grad_norm_(self, max_norm: float, device: torch.device, tied_copies: set[int]) -> torch.Tensor:

@@ -50,7 +50,7 @@ class Zero1Update(OptimizerUpdate):
         """The owners' fp32 masters, whose gradients backward has reduced into them, are unscaled, clipped and
         stepped, then rounded back into this rank's parameters."""
         masters = self.masters
-        masters.drop_absent_gradients()
+        masters.hand_over_gradients()
         masters.adopt_changed_parameters()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -66,6 +66,8 @@ class Zero1Update(OptimizerUpdate):
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
         self.strategy.inner.zero_grad(set_to_none=set_to_none)  # the optimizer only knows its own share
+        if self.masters is not None:
+            self.masters.discard_gradients()
 
     def synchronize(self) -> None:
         if self.broadcasts is not None:
