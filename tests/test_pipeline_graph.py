@@ -173,14 +173,25 @@ def loss_on_rank_0() -> list:
         model.backward(loss)
         return output["logits"], loss
 
+    @sw.step
+    def test_step(model, images, labels):  # SMP's MNIST example returns plain numbers from its evaluation step
+        output = model(images)["logits"]
+        loss = F.nll_loss(F.log_softmax(output, dim=1), labels, reduction="sum").item()
+        correct = output.argmax(dim=1).eq(labels).sum().item()
+        return loss, correct
+
     images, labels = torch.randn(4, CHANNELS, IMAGE, IMAGE), torch.tensor([0, 1, 2, 3])
     optimizer.zero_grad()
     logits, loss = train_step(model, images, labels)
     optimizer.step()
-    return [sw.rank(), loss.holds_loss, loss.reduce_mean().item(), tuple(logits.concat().shape)]
+    with torch.no_grad():
+        losses, corrects = test_step(model, images, labels)
+    return [sw.rank(), loss.holds_loss, loss.reduce_mean().item(), tuple(logits.concat().shape), sum(losses),
+            sum(corrects)]
 
 
 def test_the_step_outputs_reach_rank_0_with_the_loss_computed_outside_the_model():
     first, last = run_distributed(loss_on_rank_0, 2, timeout=300)
     assert (first[0], first[1], last[1]) == (0, False, True)
     assert first[2] == pytest.approx(last[2]) and first[3] == last[3] == (4, 5)
+    assert first[4:] == last[4:] and 0 <= first[5] <= 4  # the evaluation step's numbers, per microbatch
