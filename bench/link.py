@@ -67,15 +67,15 @@ def _groups(ranks: list[dict], name: str) -> dict[str, list[int]]:
     return merged
 
 
-def _launch(names: list[str], args, out: Path) -> dict:
+def _launch(cluster: netns.Cluster, names: list[str], args, out: Path) -> dict:
     command = [str(BENCH / "link_worker.py"), "--configs", *names, "--out", str(out), "--width", str(args.width),
                "--blocks", str(args.blocks), "--batch", str(args.batch), "--steps", str(args.steps),
                "--warmup", str(args.warmup)]
-    netns.launch(command, args.per_node, str(out.parent / "run"), timeout=1800)
+    cluster.launch(command, args.per_node, str(out.parent / "run"), timeout=1800)
     return json.loads(out.read_text())
 
 
-def run(args) -> dict[str, dict[str, list[dict]]]:
+def run(cluster: netns.Cluster, args) -> dict[str, dict[str, list[dict]]]:
     """{rate: {configuration: [one entry per round: step times, per-group collectives, link bytes per node]}}."""
     names = list(link_setups.CONFIGURATIONS)
     launches = [names] + ([[name] for name in link_setups.DEEPSPEED] if args.deepspeed else [])
@@ -83,10 +83,10 @@ def run(args) -> dict[str, dict[str, list[dict]]]:
     with tempfile.TemporaryDirectory(prefix="shardwise-link-") as scratch:
         for round_ in range(args.rounds):
             for rate in args.rates if round_ % 2 == 0 else reversed(args.rates):
-                netns.shape(None if rate == "none" else rate)
+                cluster.shape(None if rate == "none" else rate)
                 for index, chosen in enumerate(launches):
                     order = chosen if round_ % 2 == 0 else chosen[::-1]
-                    report = _launch(order, args, Path(scratch) / f"r{round_}-{rate}-{index}.json")
+                    report = _launch(cluster, order, args, Path(scratch) / f"r{round_}-{rate}-{index}.json")
                     for name in chosen:
                         ranks = report["ranks"]
                         steps = [max(step) for step in zip(*(r["results"][name]["times"] for r in ranks))]
@@ -206,19 +206,22 @@ def main(argv=None) -> int:
     if args.smoke:
         args.rates, args.rounds, args.steps, args.warmup = ["none"], 1, 1, 1
         args.width, args.blocks, args.batch, args.deepspeed = 64, 2, 4, False
+    cluster = netns.Cluster(str(os.getpid()))  # its own namespaces: a smoke test may run beside it
     try:
-        netns.up(None)
+        netns.require_root()
     except netns.NotRootError as err:
         print(f"bench/link.py: {err}", file=sys.stderr)
         return 2
     try:
+        cluster.up(None)
         header = _header(args)
-        rows = summarise(run(args), args.per_node)
+        rows = summarise(run(cluster, args), args.per_node)
     finally:
-        netns.down()
+        cluster.down()
     print_tables(rows, header)
     if args.json:
-        Path(args.json).write_text(json.dumps({"setup": header, "results": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"setup": header, "namespaces": cluster.nodes, "results": rows},
+                                              indent=1))
     if args.plot:
         plot(rows, args.plot)
     return 0

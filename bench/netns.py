@@ -1,10 +1,11 @@
 """A two-node cluster on one machine: two network namespaces joined by a veth pair shaped with `tc tbf`.
 
-    python bench/netns.py up [--rate 400mbit]    # create it (again), the link shaped to the rate or not at all
-    python bench/netns.py rate 800mbit|none      # reshape the link of the running cluster
-    python bench/netns.py down                   # remove it
+    python bench/netns.py up [--rate 400mbit] [--tag T]   # create it, the link shaped to the rate or not at all
+    python bench/netns.py rate 800mbit|none [--tag T]     # reshape the link of the running cluster
+    python bench/netns.py down [--tag T]                  # remove it
 
-Each namespace is a node: its own loopback and one end of the pair
+Each namespace is a node (`sw<tag>n0`, `sw<tag>n1`: clusters of other tags, such as
+a smoke test's, stay apart): its own loopback and one end of the pair
 (`ADDRESSES`, a /24), both ends' egress shaped by a token bucket (`tc tbf`;
 this kernel has no `netem`), so each direction carries at most the rate. Ranks
 on one node talk over its loopback; only traffic between the nodes crosses the
@@ -16,15 +17,12 @@ the node's end of the pair (`GLOO_SOCKET_IFNAME`). Needs root (CAP_NET_ADMIN).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
 from typing import Optional, Sequence
 
-NODES = ("swnode0", "swnode1")
-IFACES = ("swveth0", "swveth1")
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 MASTER_PORT = 29577
 
@@ -48,73 +46,74 @@ def _burst(rate: str) -> str:
     return f"{max(int(bits / 8 * 0.004), 64 * 1024)}b"
 
 
-def shape(rate: Optional[str]) -> None:
-    """Shape both ends' egress to `rate` (tc's syntax, e.g. 400mbit), or remove the shaping (None)."""
-    for node, iface in zip(NODES, IFACES):
-        _ip("netns", "exec", node, "tc", "qdisc", "del", "dev", iface, "root", check=False)
-        if rate:
-            _ip("netns", "exec", node, "tc", "qdisc", "add", "dev", iface, "root", "tbf", "rate", rate,
-                "burst", _burst(rate), "latency", "100ms")
+class Cluster:
+    """The two namespaces of `tag`."""
 
+    def __init__(self, tag: str = "0"):
+        self.nodes = (f"sw{tag}n0", f"sw{tag}n1")
+        self.ifaces = (f"sw{tag}v0", f"sw{tag}v1")
 
-def up(rate: Optional[str]) -> None:
-    """Create the cluster (removing an earlier one first)."""
-    require_root()
-    down()
-    for node in NODES:
-        _ip("netns", "add", node)
-        _ip("-n", node, "link", "set", "lo", "up")
-    _ip("link", "add", IFACES[0], "netns", NODES[0], "type", "veth", "peer", "name", IFACES[1], "netns", NODES[1])
-    for node, iface, address in zip(NODES, IFACES, ADDRESSES):
-        _ip("-n", node, "addr", "add", f"{address}/24", "dev", iface)
-        _ip("-n", node, "link", "set", iface, "up")
-    shape(rate)
+    def shape(self, rate: Optional[str]) -> None:
+        """Shape both ends' egress to `rate` (tc's syntax, e.g. 400mbit), or remove the shaping (None)."""
+        for node, iface in zip(self.nodes, self.ifaces):
+            _ip("netns", "exec", node, "tc", "qdisc", "del", "dev", iface, "root", check=False)
+            if rate:
+                _ip("netns", "exec", node, "tc", "qdisc", "add", "dev", iface, "root", "tbf", "rate", rate,
+                    "burst", _burst(rate), "latency", "100ms")
 
+    def up(self, rate: Optional[str]) -> None:
+        """Create the cluster (removing an earlier one of this tag first)."""
+        self.down()
+        for node in self.nodes:
+            _ip("netns", "add", node)
+            _ip("-n", node, "link", "set", "lo", "up")
+        _ip("link", "add", self.ifaces[0], "netns", self.nodes[0], "type", "veth",
+            "peer", "name", self.ifaces[1], "netns", self.nodes[1])
+        for node, iface, address in zip(self.nodes, self.ifaces, ADDRESSES):
+            _ip("-n", node, "addr", "add", f"{address}/24", "dev", iface)
+            _ip("-n", node, "link", "set", iface, "up")
+        self.shape(rate)
 
-def down() -> None:
-    """Remove the namespaces (and with them the pair); nothing to do when there are none."""
-    require_root()
-    for node in NODES:
-        _ip("netns", "del", node, check=False)
+    def down(self) -> None:
+        """Remove the namespaces (and with them the pair); nothing to do when there are none."""
+        require_root()
+        for node in self.nodes:
+            _ip("netns", "del", node, check=False)
 
-
-def tx_bytes(node: int) -> int:
-    """Bytes that have left `node` over the pair."""
-    stats = json.loads(_ip("-n", NODES[node], "-s", "-j", "link", "show", "dev", IFACES[node]).stdout)
-    return stats[0]["stats64"]["tx"]["bytes"]
-
-
-def launch(script: Sequence[str], nproc_per_node: int, run_dir: str, timeout: float) -> None:
-    """Run `shardwise run ... script` on both nodes (2 × `nproc_per_node` ranks); raise if either fails."""
-    shardwise = shutil.which("shardwise") or sys.exit("bench/netns.py: the `shardwise` command is not installed")
-    agents = []
-    for rank, (node, iface) in enumerate(zip(NODES, IFACES)):
-        command = ["ip", "netns", "exec", node, shardwise, "run", "--nnodes", "2", "--node-rank", str(rank),
-                   "--nproc-per-node", str(nproc_per_node), "--master-addr", ADDRESSES[0],
-                   "--master-port", str(MASTER_PORT), "--run-dir", run_dir, "--console-ranks", "none", *script]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": iface}
-        agents.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
-    for rank, (agent, output) in enumerate(zip(agents, outputs)):
-        if agent.returncode != 0:
-            raise RuntimeError(f"node {rank} exited {agent.returncode}:\n{output[-3000:]}")
+    def launch(self, script: Sequence[str], nproc_per_node: int, run_dir: str, timeout: float) -> None:
+        """Run `shardwise run ... script` on both nodes (2 × `nproc_per_node` ranks); raise if either fails."""
+        shardwise = shutil.which("shardwise") or sys.exit("bench/netns.py: the `shardwise` command is not installed")
+        agents = []
+        for rank, (node, iface) in enumerate(zip(self.nodes, self.ifaces)):
+            command = ["ip", "netns", "exec", node, shardwise, "run", "--nnodes", "2", "--node-rank", str(rank),
+                       "--nproc-per-node", str(nproc_per_node), "--master-addr", ADDRESSES[0],
+                       "--master-port", str(MASTER_PORT), "--run-dir", run_dir, "--console-ranks", "none", *script]
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": iface}
+            agents.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True))
+        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+        for rank, (agent, output) in enumerate(zip(agents, outputs)):
+            if agent.returncode != 0:
+                raise RuntimeError(f"node {rank} exited {agent.returncode}:\n{output[-3000:]}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tag", default="0", help="names this cluster's namespaces (several can coexist)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("up").add_argument("--rate", help="tc rate of each direction, e.g. 400mbit (default: none)")
     commands.add_parser("rate").add_argument("rate", help="e.g. 800mbit, or none")
     commands.add_parser("down")
     args = parser.parse_args(argv)
+    cluster = Cluster(args.tag)
     try:
+        require_root()
         if args.command == "up":
-            up(args.rate)
+            cluster.up(args.rate)
         elif args.command == "rate":
-            require_root()
-            shape(None if args.rate == "none" else args.rate)
+            cluster.shape(None if args.rate == "none" else args.rate)
         else:
-            down()
+            cluster.down()
     except NotRootError as err:
         print(f"bench/netns.py: {err}", file=sys.stderr)
         return 2
