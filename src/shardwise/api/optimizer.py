@@ -3,6 +3,7 @@ that model's parallelism needs (ZeRO-1's share, loss scaling, clipping, the repl
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -11,6 +12,7 @@ from ..checkpoint.contents import as_held
 from ..checkpoint.legacy import local_tensors
 from ..parallel.precision import ScalingRule
 from ..runtime.init import warn_ineffective
+from ..runtime.non_finite import NonFiniteCheck
 from ..runtime.replica_check import check_replicas
 from ..runtime.state import current
 from .param_mapping import adopt_model_parameters
@@ -132,6 +134,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     SMP's FP16_Optimizer members its scripts call: `clip_master_grads` (the next
     step clips), `overflow` (the last step was skipped) and `_global_grad_norm`.
+
+    In fp32 and bf16, `non_finite_gradients` checks the gradients each step is about
+    to use for inf/nan, and skips or stops (runtime/non_finite.py); `skipped_steps`
+    counts the steps skipped for inf/nan, fp16's overflows included.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: Optional[float] = 1.0,
@@ -162,6 +168,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.steps = 0  # taken by `step`; every `replica_check_interval` of them, the replica check runs
         self._next_step_clip: Optional[float] = None  # `clip_master_grads`'s limit, for the next step only
         self._overflow = False
+        self.skipped_steps = 0  # for inf/nan gradients: fp16 overflows, or non_finite_gradients: skip
+        policy = runtime.config.non_finite_gradients
+        self._non_finite = (NonFiniteCheck(optimizer, policy, runtime.config.non_finite_stop_after, runtime.device,
+                                           self._name_of) if policy != "off" and scaler is None else None)
         warn_ineffective(ignored)
         runtime.optimizers.add(self)
 
@@ -210,15 +220,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ZeRO-1 or a pipeline. Under ZeRO-1 each owner then starts broadcasting what it updated, and returns
         without waiting, unless the replica check is due (`replica_check_interval`)."""
         clip, self._next_step_clip = self._clip(), None
-        result, norm = self._update.step(closure, clip)
+        checking = (contextlib.nullcontext() if self._non_finite is None
+                    else self._non_finite.checking(self.steps + 1))
+        with checking:
+            result, norm = self._update.step(closure, clip)
         if norm is not None:
             self.grad_norm = norm
-        self._overflow = self.loss_scaler is not None and self.loss_scaler.overflowed
+        self._overflow = ((self.loss_scaler is not None and self.loss_scaler.overflowed)
+                          or (self._non_finite is not None and self._non_finite.skipped))
+        self.skipped_steps += self._overflow
         self.steps += 1
         interval = self._runtime.config.replica_check_interval
         if interval is not None and self.steps % interval == 0:
             check_replicas(self._model.named_parameters(), self._runtime.mesh, self._runtime.device, self.steps)
         return result
+
+    def _name_of(self, stepped: torch.Tensor) -> str:
+        """The model's name of a tensor the wrapped optimizer steps (ZeRO-1's fp32 master stands for one)."""
+        param = {id(s): p for s, p in self._update.stepped_params()}.get(id(stepped), stepped)
+        names = {id(p): name for name, p in self._model.named_parameters(remove_duplicate=False)}
+        return names.get(id(param), "a parameter without a name")
 
     def _clip(self) -> Optional[float]:
         """The global-norm limit the step clips to, if any: the tightest of the config's, the optimizer's and
@@ -241,7 +262,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def overflow(self) -> bool:
         """True when the last `step` was skipped because the fp16 gradients overflowed on some rank (as SMP's
-        FP16_Optimizer says, for scripts that then skip their lr scheduler); always False without fp16."""
+        FP16_Optimizer says, for scripts that then skip their lr scheduler), or, in fp32 and bf16, because
+        gradients held inf/nan under `non_finite_gradients: skip`."""
         return self._overflow
 
     @property

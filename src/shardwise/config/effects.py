@@ -72,6 +72,10 @@ def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
     if changed(c, "cross_group_reduce_dtype") and no_mics:
         yield "cross_group_reduce_dtype", ("needs MiCS without a pipeline: sharded_data_parallel_degree > 1 and "
                                            "smaller than the data-parallel degree, pipeline_parallel_degree 1")
+    if c.fp16 and changed(c, "non_finite_gradients"):
+        yield "non_finite_gradients", "fp16's loss scaler skips every step with inf/nan gradients and lowers the scale"
+    if c.non_finite_gradients != "stop" and changed(c, "non_finite_stop_after"):
+        yield "non_finite_stop_after", "needs non_finite_gradients: stop"
     # SMP's default "memory" is named only when given: it is what SMP's own split layers did by default.
     given = "optimize" in c.model_fields_set
     if c.tensor_parallel_degree > 1 and given and c.optimize == "memory" and not c.sequence_parallel:

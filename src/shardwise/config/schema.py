@@ -86,6 +86,13 @@ class ShardwiseConfig(SmpOnlySettings):
     replica_check_interval: Optional[int] = Field(
         None, ge=1, description="Every N optimizer steps, compare a fingerprint of every replicated parameter across "
         "the ranks that should hold equal copies, and stop with an error naming the first that differs. Unset: off.")
+    non_finite_gradients: Literal["off", "skip", "stop"] = Field(
+        "off", description="What optimizer.step() does when a gradient holds inf/nan, in fp32 and bf16 (fp16's loss "
+        "scaler always skips such steps and lowers the scale): 'skip' the step, 'stop' with an error naming the step "
+        "and the first such parameter, or 'off' (no check). Free when the step clips; else one scalar all-reduce.")
+    non_finite_stop_after: int = Field(
+        1, ge=1, description="With non_finite_gradients stop: stop at the K-th non-finite step in a row; the ones "
+        "before it are skipped.")
     auto_wrap_min_params: int = Field(
         10_000_000,
         ge=1,

@@ -7,18 +7,38 @@ is sharded on — one small collective per axis, not one per parameter. Every
 placement but Replicate shards (`Shard`, and the `_StridedShard` of packed
 Q/K/V, which is no `Shard`); a pending sum (`Partial`) is reduced first, since
 squares of partial values do not add up to the square of their sum.
+
+The norm is agreed by every rank, so `recording_norms` hands it to the check of
+non-finite gradients (runtime/non_finite.py), which then needs no collective of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections import defaultdict
-from typing import Callable, Iterable, Optional
+from contextvars import ContextVar
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from .local import local_tensor
+
+
+_recorded: ContextVar[Optional[list[torch.Tensor]]] = ContextVar("shardwise_clip_norms", default=None)
+
+
+@contextlib.contextmanager
+def recording_norms() -> Iterator[list[torch.Tensor]]:
+    """A list that collects the norm of every `clip_grad_norm_` run inside the block."""
+    norms: list[torch.Tensor] = []
+    token = _recorded.set(norms)
+    try:
+        yield norms
+    finally:
+        _recorded.reset(token)
 
 
 def _without_partial(grad: torch.Tensor) -> torch.Tensor:
@@ -61,11 +81,16 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, device:
     """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before clipping.
 
     `counted` picks the parameters the norm is taken over (all by default; copies of
-    one tied weight count once); every parameter is scaled.
+    one tied weight count once); every parameter is scaled. A non-finite norm scales
+    nothing, so the gradients still show where inf/nan arose (runtime/non_finite.py names it).
     """
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm([p for p in params if counted is None or counted(p)], device, across)
-    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    recorded = _recorded.get()
+    if recorded is not None:
+        recorded.append(norm)
+    value = float(norm)
+    coef = min(1.0, max_norm / (value + 1e-6)) if math.isfinite(value) else 1.0
     if coef < 1.0:
         for p in params:
             p.grad.mul_(coef)
