@@ -44,6 +44,19 @@ def _output_as(output_class: str) -> Callable[[Any], Any]:
     return output
 
 
+def gpt_arguments(config: Any) -> dict[str, Any]:
+    """`DistributedTransformerLMHead`'s arguments from what GPT-2's and GPT-J's configs share (their fields have the
+    same names): a pre- and post-layer-norm causal stack, its weights drawn anew as SMP's stand-ins drew them."""
+    heads, width = config.n_head, config.n_embd
+    return dict(num_layers=config.n_layer, num_attention_heads=heads, attention_head_size=width // heads,
+                hidden_size=width, intermediate_size=config.n_inner or 4 * width, vocab_size=config.vocab_size,
+                num_positions=config.n_positions, attention_dropout_prob=config.attn_pdrop,
+                hidden_dropout_prob=config.resid_pdrop, embedding_dropout_prob=config.embd_pdrop,
+                activation=config.activation_function, layernorm_epsilon=config.layer_norm_epsilon,
+                causal_mask_size=config.n_positions, initializer_range=config.initializer_range,
+                use_normal_initialization=True, pre_layernorm=True, post_layernorm=True)
+
+
 def causal_lm_stand_in(family: str, arguments: Callable[[Any], tuple[tuple, dict]], output_class: str,
                        to_original: Callable[[dict], dict]) -> Registration:
     """The registration of a stand-in for the `family` model: `arguments(config)` builds it, its outputs come

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ...parallel.tensor.registration import Registration
-from .causal_lm import causal_lm_stand_in
+from .causal_lm import causal_lm_stand_in, gpt_arguments
 from .layout import StateDict
 
 _EMBEDDINGS = {"word_embedding": "transformer.wte", "position_embedding": "transformer.wpe"}
@@ -116,14 +116,7 @@ def _arguments(config: Any) -> tuple[tuple, dict[str, Any]]:
         raise ValueError(f"GPT-2 with {', '.join(unsupported) or 'scale_attn_weights=False'} has no stand-in; "
                          "fix: build it outside sw.model_creation(tensor_parallelism=True) to keep Hugging Face's "
                          "modules, split by the built-in GPT-2 plan")
-    heads, width = config.n_head, config.n_embd
-    return (), dict(num_layers=config.n_layer, num_attention_heads=heads, attention_head_size=width // heads,
-                    hidden_size=width, intermediate_size=config.n_inner or 4 * width, vocab_size=config.vocab_size,
-                    num_positions=config.n_positions, attention_dropout_prob=config.attn_pdrop,
-                    hidden_dropout_prob=config.resid_pdrop, activation=config.activation_function,
-                    layernorm_epsilon=config.layer_norm_epsilon, causal_mask_size=config.n_positions,
-                    initializer_range=config.initializer_range, use_normal_initialization=True,
-                    pre_layernorm=True, post_layernorm=True)
+    return (), gpt_arguments(config)
 
 
 def stand_in() -> Registration:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 
 from ...parallel.tensor.registration import Registration
-from .causal_lm import causal_lm_stand_in
+from .causal_lm import causal_lm_stand_in, gpt_arguments
 from .layout import StateDict, renamed
 
 _LAYER_PARTS = {  # SMP's name in layer i -> GPT-J's name in block i
@@ -80,17 +80,10 @@ def _arguments(config: Any) -> tuple[tuple, dict[str, Any]]:
         raise ValueError("GPT-J with tie_word_embeddings=True has no stand-in (its head has a bias of its own); "
                          "fix: set tie_word_embeddings=False, or build it outside "
                          "sw.model_creation(tensor_parallelism=True) to keep Hugging Face's modules")
-    heads, width = config.n_head, config.n_embd
-    return (), dict(num_layers=config.n_layer, num_attention_heads=heads, attention_head_size=width // heads,
-                    hidden_size=width, intermediate_size=config.n_inner or 4 * width, vocab_size=config.vocab_size,
-                    num_positions=config.n_positions, attention_dropout_prob=config.attn_pdrop,
-                    hidden_dropout_prob=config.resid_pdrop, embedding_dropout_prob=config.embd_pdrop,
-                    activation=config.activation_function, layernorm_epsilon=config.layer_norm_epsilon,
-                    causal_mask_size=config.n_positions, initializer_range=config.initializer_range,
-                    use_normal_initialization=True, pre_layernorm=True, post_layernorm=True,
-                    parallel_attn_output=True, rotary_dim=config.rotary_dim or width // heads,
-                    use_positional_embedding=False, use_qkv_bias=False, use_attn_dense_bias=False,
-                    tie_input_output_embedding=False, use_lm_head_bias=True)
+    return (), gpt_arguments(config) | dict(
+        parallel_attn_output=True, rotary_dim=config.rotary_dim or config.n_embd // config.n_head,
+        use_positional_embedding=False, use_qkv_bias=False, use_attn_dense_bias=False,
+        tie_input_output_embedding=False, use_lm_head_bias=True)
 
 
 def stand_in() -> Registration:

@@ -30,7 +30,7 @@ from ...config.schema import ShardwiseConfig
 from ...runtime.mesh import ParallelMesh
 from ..materialize import place
 from ..strategy import OptimizerUpdate, Pieces, Strategy
-from ..checkpointing import lift_checkpointing, restore_checkpointing
+from .. import checkpointing  # the module, not its names: it imports this package (for Elsewhere) in turn
 from .calls import capture
 from .graph_cut import captured, cut_graph
 from .graph_stage import GraphStage, Wiring
@@ -129,7 +129,7 @@ class GraphPipeline(Strategy):
     def _build(self, model: Any, fn: Callable, pieces: Pieces) -> None:
         whole, config, mesh = self.inner, self.config, self.mesh
         forward = whole.forward
-        checkpointed = lift_checkpointing(whole)  # captured plain; set again on this rank's stage below
+        checkpointed = checkpointing.lift_checkpointing(whole)  # captured plain; set again on this rank's stage below
         inputs = capture(fn, model, forward, *pieces[0])
         pp_mesh = mesh["pp"]
         pp, pp_rank, total = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.size()
@@ -148,7 +148,7 @@ class GraphPipeline(Strategy):
         index = next(s for s in range(total) if ranks[s] == pp_rank)
         inner = pipe.get_stage_module(index)
         _as_in_model(inner, whole)
-        restore_checkpointing(inner, checkpointed)
+        checkpointing.restore_checkpointing(inner, checkpointed)
         ties = TiedWeights(inner, _tied_groups(pipe.replicated_params, wiring.module_names), [index])
         ties.connect(mesh.layout, dist.get_rank(), ranks)
         ties.broadcast_values()
