@@ -173,9 +173,11 @@ class DistributedModel(nn.Module):
         self._hook_reduces = False  # a comm hook registered: it averages over microbatches, as SMP has it
         self._partition_hooks: OrderedDict[int, Hook] = OrderedDict()
         self._post_step_hooks: OrderedDict[int, Hook] = OrderedDict()
+        self.forward_calls = 0  # compared across ranks at the @step boundary (runtime/control_flow.py)
         runtime.models.add(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.forward_calls += 1
         return self._strategy.forward(*args, **kwargs)
 
     def get_module(self) -> nn.Module:

@@ -6,7 +6,8 @@ covers tensors, also inside lists, tuples, dicts, sets and any container torch's
 pytree knows (a Hugging Face `ModelOutput`), and objects with an
 `smp_slice(num_mb, mb, axis)` method, which slice themselves. Arguments named in
 `non_split_inputs`, 0-dim tensors and other values reach every microbatch whole.
-Gradients sync once, after the last microbatch.
+Gradients sync once, after the last microbatch. With `control_flow_check_interval`
+the ranks compare each call's microbatches and model calls (runtime/control_flow.py).
 
 Results: the function's return value comes back with the same structure and a
 `StepOutput` of the per-microbatch values at every leaf, so `_, loss = step(...)`
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from ..parallel.activation_offload import first_step_check
 from ..parallel.pipeline.runner import NOT_HERE
 from ..parallel.strategy import Pieces
+from ..runtime.control_flow import ControlFlowCheck, forward_calls
 from ..runtime.state import current
 from ..torch_internals import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
@@ -221,6 +223,7 @@ def _step_models(args: tuple, kwargs: dict, live: list[Any]) -> list[Any]:
 
 def _decorate(fn: Callable[..., Any], split: _BatchSplit, detach_outputs: bool) -> Callable[..., Any]:
     per_microbatch = _detaching(fn) if detach_outputs else fn
+    flow = ControlFlowCheck(getattr(fn, "__name__", "function"))
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -240,8 +243,11 @@ def _decorate(fn: Callable[..., Any], split: _BatchSplit, detach_outputs: bool) 
             finally:
                 runtime.microbatch = None
 
+        forwards = forward_calls(models)
         with first_step_check(runtime):
             results = models[0].run_step(per_microbatch, pieces, around)
+        flow.after_call(runtime.config.control_flow_check_interval, runtime.device, len(pieces),
+                        forward_calls(models) - forwards, sum(optimizer.steps for optimizer in runtime.optimizers))
         return _step_outputs(results, models[0].holds_loss)
 
     return run

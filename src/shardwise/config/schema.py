@@ -93,6 +93,10 @@ class ShardwiseConfig(SmpOnlySettings):
     non_finite_stop_after: int = Field(
         1, ge=1, description="With non_finite_gradients stop: stop at the K-th non-finite step in a row; the ones "
         "before it are skipped.")
+    control_flow_check_interval: Optional[int] = Field(
+        None, ge=1, description="Every N calls of a @step function, the ranks all-gather its call count, its "
+        "microbatches and model forward calls and their optimizer steps, and stop with an error naming the ranks "
+        "that differ. Unset: off.")
     auto_wrap_min_params: int = Field(
         10_000_000,
         ge=1,
