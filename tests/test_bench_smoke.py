@@ -87,3 +87,35 @@ def test_namespace_cluster_refuses_without_root_in_one_line(monkeypatch, capsys)
     assert netns.main(["up", "--rate", "400mbit"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "bench/netns.py: the namespace cluster needs root (ip netns, tc): run it as root, e.g. with sudo"]
+
+
+LARGEST_BENCH = BENCH.parent / "largest_model.py"
+
+
+def test_largest_model_bench_runs(tmp_path):
+    """bench/largest_model.py --smoke: ZeRO-3 with offloading searches two tiny GPT-2s, the planner's pick first;
+    the bytes its offload options moved in a step are the planner's count."""
+    out, png = tmp_path / "largest.json", tmp_path / "largest.png"
+    result = subprocess.run([sys.executable, str(LARGEST_BENCH), "--smoke", "--json", str(out), "--plot", str(png)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["layout"], row["variant"], row["largest"], row["planner"]) == ("ZeRO-3", "offload", "2×64", "2×64")
+    assert [trial["cell"] for trial in row["trials"]] == ["2×64"] and row["trials"][0]["peak"] > 0
+    for kind in ("activations", "optimizer"):
+        for direction in ("to_device", "to_host"):
+            assert row["moved"][kind][direction] == pytest.approx(row["planned_moves"][kind][direction], rel=0.01)
+    assert "| ZeRO-3 | offload | 2×64" in result.stdout and png.stat().st_size > 0
+
+
+def test_largest_model_search_starts_at_the_prediction_and_bisects(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from largest_model import search
+
+    for boundary in range(-1, 20):  # the largest index that fits
+        for first in (-1, 0, 7, 19):
+            probed = []
+            found, probes = search(20, first, lambda i: probed.append(i) or i <= boundary)
+            assert found == (boundary if boundary >= 0 else None) and probes == probed
+            assert probes[0] == max(first, 0) and len(probes) <= 7
+    assert search(20, 7, lambda i: i <= 7)[1] == [7, 8]  # an exact prediction costs two trials

@@ -14,7 +14,7 @@ import pytest
 from shardwise.cli import main
 from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, plan, predict_memory, predict_step_time, resolve_model
-from shardwise.planner.offload import state_transfers
+from shardwise.planner.offload import activation_transfers, state_transfers
 from shardwise.planner.wrapping import optimizer_share
 from shardwise.topology import Cluster, layout_for
 
@@ -58,18 +58,36 @@ def test_on_a_cpu_nothing_moves():
     assert offloaded.offloaded == 0 and offloaded.optimizer > _memory(zero1, CPU.device).optimizer
 
 
-@pytest.mark.parametrize("config, per_share", [
-    (ZERO1, (2, 4)),                                              # bf16 parameters back, fp32 gradients out
-    ({**ZERO3, "microbatches": 2}, (2 * 2 * 4, 2 * 4)),           # every microbatch: 2 gathers and 1 reduce
-    ({**ZERO3, "zero_stage": 2, "microbatches": 2}, (2 * 4, 2 * 4)),  # ZeRO-2 gathers once per microbatch
+@pytest.mark.parametrize("config, gathers", [
+    ({**ZERO3, "microbatches": 2}, 2),                  # ZeRO-3: every microbatch gathers forward and backward
+    ({**ZERO3, "zero_stage": 2, "microbatches": 2}, 1),  # ZeRO-2 keeps the gathered blocks until backward
 ])
-def test_bytes_moved_per_step(config, per_share):
+def test_sharded_offload_moves_shards_every_gather_and_gradient_shards_every_microbatch(config, gathers):
     parsed = parse_config({**config, "offload_optimizer_state": True})
     layout = layout_for(parsed, Cluster(1, 8))
-    share = A * optimizer_share(SPEC, parsed, layout)
     moved = state_transfers(SPEC, parsed, layout, GPU.device)
-    assert (moved.to_device, moved.to_host) == pytest.approx((per_share[0] * share, per_share[1] * share))
+    assert moved.to_device == pytest.approx(2 * 4 / 8 * gathers * A)
+    assert moved.to_host == pytest.approx(2 * 4 / 8 * A)
     assert state_transfers(SPEC, parsed, layout, CPU.device).total == 0
+
+
+def test_zero1_moves_its_share_once_per_step():
+    """fp32 gradients of the share to the host, its bf16 parameters back."""
+    parsed = parse_config({**ZERO1, "offload_optimizer_state": True, "microbatches": 4})
+    layout = layout_for(parsed, Cluster(1, 8))
+    share = A * optimizer_share(SPEC, parsed, layout)
+    assert state_transfers(SPEC, parsed, layout, GPU.device) == pytest.approx((2 * share, 4 * share))
+
+
+def test_offloaded_activations_move_every_regions_input_both_ways():
+    parsed = parse_config({"pipeline_parallel_degree": 2, "microbatches": 4, "offload_activations": True,
+                           "bf16": True})
+    layout = layout_for(parsed, Cluster(1, 8))
+    moved = activation_transfers(SPEC, parsed, layout, 2, 512, "group_2", GPU.device)
+    kept = 4 * (SPEC.layers // 2 // 2) * 2 * 512 * SPEC.hidden * 2  # microbatches × regions × tokens × hidden × bf16
+    assert (moved.to_device, moved.to_host) == (kept, kept)
+    assert activation_transfers(SPEC, parsed, layout, 2, 512, "none", GPU.device).total == 0
+    assert activation_transfers(SPEC, parsed, layout, 2, 512, "group_2", CPU.device).total == 0
 
 
 def test_offload_costs_time_on_a_gpu_and_none_on_a_cpu():

@@ -1,13 +1,19 @@
-"""What `offload_optimizer_state` keeps in host memory and moves per step, as parallel/optimizer_offload.py does.
+"""What offloading keeps in host memory and moves per step, as the runtime does.
 
-ZeRO-1 keeps the fp32 masters and the optimizer's moments of each rank's share on
-the host; once per step the share's fp32 gradients cross to the host and its
-updated parameters (stored dtype) back. ZeRO-2/3 and MiCS run FSDP2's
-`CPUOffloadPolicy`: parameter shards, their gradients and the moments stay on
-the host, every gather copies a unit's fp32 shards to the device (each
-microbatch's forward; ZeRO-3's backward again) and every microbatch's
-reduce-scatter its fp32 gradient shards back. A device whose memory is the
-host's (a CPU) moves nothing, and the runtime keeps everything where it is.
+`offload_optimizer_state` (parallel/optimizer_offload.py): ZeRO-1 keeps the fp32
+masters and the optimizer's moments of each rank's share on the host; once per
+step the share's fp32 gradients cross to the host and its updated parameters
+(stored dtype) back. ZeRO-2/3 and MiCS run FSDP2's `CPUOffloadPolicy`: parameter
+shards, their gradients and the moments stay on the host, every gather copies a
+unit's fp32 shards to the device (each microbatch's forward; ZeRO-3's backward
+again, the root's included, as shardwise reshards every unit after forward) and
+every microbatch's reduce-scatter its fp32 gradient shards back.
+
+`offload_activations` (parallel/activation_offload.py): each checkpointed region's
+kept input goes to the host in forward and back in backward.
+
+A device whose memory is the host's (a CPU) moves nothing: the runtime keeps
+everything where it is.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from typing import NamedTuple, Optional
 
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
+from .activations import CHECKPOINTING
 from .hardware import DeviceSpec
 from .spec import ModelSpec
-from .wrapping import FP32_BYTES, fully_sharded, optimizer_share, stored_bytes
+from .wrapping import FP32_BYTES, compute_bytes, fully_sharded, optimizer_share, stored_bytes
 
 
 class Transfers(NamedTuple):
@@ -50,8 +57,20 @@ def state_transfers(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, de
         return Transfers(0.0, 0.0)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
     if fully_sharded(config):
-        shard, m = FP32_BYTES * rank_params / layout.dp_shard, config.microbatches
+        shard = FP32_BYTES * config.microbatches * rank_params / layout.dp_shard
         gathers = 2 if config.effective_zero_stage == 3 else 1
-        return Transfers(to_device=gathers * m * shard, to_host=m * shard)
+        return Transfers(to_device=gathers * shard, to_host=shard)
     share = rank_params * optimizer_share(spec, config, layout)
     return Transfers(to_device=stored_bytes(config) * share, to_host=FP32_BYTES * share)
+
+
+def activation_transfers(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
+                         checkpointing: str, device: Optional[DeviceSpec]) -> Transfers:
+    """Bytes the busiest stage moves per step for offloaded activations: every region's kept input (the block
+    input of `micro_batch` × `seq` tokens) out in forward and back in backward, every microbatch."""
+    group = CHECKPOINTING[checkpointing]
+    if not (config.offload_activations and group and moves_to_host(device)):
+        return Transfers(0.0, 0.0)
+    regions = config.microbatches * -(-spec.stage_layers(layout.pp) // group)
+    kept = regions * micro_batch * seq * spec.hidden * compute_bytes(config)
+    return Transfers(to_device=kept, to_host=kept)

@@ -24,7 +24,7 @@ from . import assumptions as A
 from .activations import CHECKPOINTING
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .hardware import ClusterSpec
-from .offload import host_states, moves_to_host, state_transfers
+from .offload import activation_transfers, host_states, state_transfers
 from .spec import ModelSpec
 from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, first_broadcast_bucket, fully_sharded,
                        optimizer_share, reduce_buckets, replicated_by_fsdp, stored_bytes)
@@ -196,24 +196,16 @@ def _optimizer_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout,
     return touched / (A.HOST_OPTIMIZER_BANDWIDTH if on_host else cluster.device.memory_bandwidth)
 
 
-def _offload_seconds(config: ShardwiseConfig, cluster: ClusterSpec, checkpointing: str, layers: int,
-                     activation: float, compute: float) -> float:
-    """Exposed part of moving each kept block input to host in forward and back in backward."""
-    group = CHECKPOINTING[checkpointing]
-    if not (config.offload_activations and group and moves_to_host(cluster.device)):
-        return 0.0
-    moved = 2 * config.microbatches * -(-layers // group) * activation / cluster.device.host_bandwidth
-    return _phase(compute, LinkTime(intra=moved), layers) - compute
-
-
-def _state_offload_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
-                           compute: float) -> float:
-    """Exposed part of moving offloaded optimizer states' values: ZeRO-1's cross around the step, where nothing
-    hides them; FSDP2 copies each unit's shards while other units compute."""
-    moved = state_transfers(spec, config, layout, cluster.device).total / cluster.device.host_bandwidth
-    if not moved or not fully_sharded(config):
-        return moved
-    return _phase(compute, LinkTime(intra=moved), spec.stage_layers(layout.pp)) - compute
+def _offload_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
+                     micro_batch: int, seq: int, checkpointing: str, compute: float) -> float:
+    """Exposed part of the copies to host memory and back (offload.py): kept block inputs and FSDP2's shards
+    move block by block while compute runs; ZeRO-1's masters cross around the step, where nothing hides them."""
+    bandwidth = cluster.device.host_bandwidth
+    activations = activation_transfers(spec, config, layout, micro_batch, seq, checkpointing, cluster.device)
+    states = state_transfers(spec, config, layout, cluster.device).total / bandwidth
+    overlapped = activations.total / bandwidth + (states if fully_sharded(config) else 0.0)
+    exposed = _phase(compute, LinkTime(intra=overlapped), spec.stage_layers(layout.pp)) - compute
+    return exposed + (0.0 if fully_sharded(config) else states)
 
 
 def pipeline_rounds(config: ShardwiseConfig) -> int:
@@ -255,8 +247,8 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
                     pipeline_bubble=(pipeline_slots(config, layout) - m) * t_mb,
                     pipeline_p2p=_pipeline_p2p(traffic, cluster, activation, pipeline_rounds(config)),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
-                    offload=_offload_seconds(config, cluster, checkpointing, layers, activation, m * busy)
-                    + _state_offload_seconds(spec, config, layout, cluster, m * busy))
+                    offload=_offload_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing,
+                                             m * busy))
     tokens_per_s = micro_batch * m * layout.dp * seq / time.total
     mfu = tokens_per_s * spec.flops_per_token(seq) / (cluster.world_size * peak)
     return StepTime(**time.parts(), tokens_per_s=tokens_per_s, mfu=mfu, collectives=tuple(traffic.records))
