@@ -39,6 +39,8 @@ _EXPORTS = {
     "partition": "parallel.pipeline.placement",
     "set_partition": "parallel.pipeline.placement",
     "ConfigMismatchError": "runtime.agreement",
+    "NonFiniteGradientError": "runtime.non_finite",
+    "ControlFlowMismatchError": "runtime.control_flow",
     "init": "runtime.init",
     "shutdown": "runtime.init",
     "is_initialized": "runtime.state",
