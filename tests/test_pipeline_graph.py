@@ -159,6 +159,34 @@ def test_the_optimizer_waits_for_the_cut_and_the_model_is_whole_before_it():
                                   "first @step")
 
 
+def memory_after_the_cut() -> tuple[int, int, int]:
+    """(parameters of the whole model, of this rank's stage, of the whole model's still alive after the cut)."""
+    import gc
+    import weakref
+
+    sw.init(PP2)
+    model = sw.DistributedModel(TinyCNN())
+    whole = [weakref.ref(p) for p in model.parameters()]
+    optimizer = sw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @sw.step
+    def train_step(model, images, labels):
+        loss = F.cross_entropy(model(images)["logits"], labels)
+        model.backward(loss)
+        return loss
+
+    train_step(model, torch.randn(2, CHANNELS, IMAGE, IMAGE), torch.tensor([0, 1]))
+    optimizer.step()
+    gc.collect()
+    return len(whole), len(list(model.parameters())), sum(ref() is not None for ref in whole)
+
+
+def test_after_the_cut_a_rank_keeps_only_its_stage():
+    counts = run_distributed(memory_after_the_cut, 2, timeout=300)
+    assert sum(held for _, held, _ in counts) == counts[0][0]  # the stages hold every parameter once
+    assert all(alive == held for _, held, alive in counts)  # the other stages' parameters were freed
+
+
 def loss_on_rank_0() -> list:
     """The SMP v1 CNN script's pattern: loss computed outside the model, printed on rank 0."""
     sw.init({**PP2, "microbatches": 2})

@@ -44,13 +44,14 @@ class _Recorder(_Stand):
         raise _Recorded
 
 
-def as_keywords(forward: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The model call's arguments by parameter name (a stage takes the model's inputs as keywords).
+def as_keywords(forward: Callable | inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The model call's arguments by parameter name (a stage takes the model's inputs as keywords); `forward` is
+    the model's forward or its signature.
 
     A Hugging Face model that can keep a key/value cache is told not to: a
     cache is no use in a training step and the stages could not pass it on.
     """
-    signature = inspect.signature(forward)
+    signature = forward if isinstance(forward, inspect.Signature) else inspect.signature(forward)
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as err:
@@ -77,7 +78,8 @@ def call_with(fn: Callable, model: nn.Module, stand_in: Any, args: tuple, kwargs
     return fn(*args, **kwargs)
 
 
-def capture(fn: Callable, model: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+def capture(fn: Callable, model: nn.Module, forward: Callable | inspect.Signature, args: tuple,
+            kwargs: dict) -> dict[str, Any]:
     """Run `fn(*args, **kwargs)` up to its call of `model` and return that call's inputs by name."""
     recorder = _Recorder(model)
     try:

@@ -15,6 +15,7 @@ the optimizers bound to it are bound again to this rank's stage.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections import defaultdict
 from typing import Any, Callable, ContextManager, Optional
 
@@ -127,48 +128,59 @@ class GraphPipeline(Strategy):
         return self.built.run_step(model, fn, pieces, around)
 
     def _build(self, model: Any, fn: Callable, pieces: Pieces) -> None:
-        whole, config, mesh = self.inner, self.config, self.mesh
-        forward = whole.forward
-        checkpointed = checkpointing.lift_checkpointing(whole)  # captured plain; set again on this rank's stage below
-        inputs = capture(fn, model, forward, *pieces[0])
-        pp_mesh = mesh["pp"]
-        pp, pp_rank, total = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.size()
-        cut = cut_graph(whole, inputs, total, memory_weight(config), config.auto_partition, config.default_partition)
-        ranks = stage_ranks(config.pipeline_schedule, pp, total)
-        if dist.get_rank() == 0:
-            print(cut.describe(ranks), flush=True)
-        pipe = captured(whole, "export", lambda: pipeline(
-            whole, mb_args=(), mb_kwargs=_distinct(inputs),
-            split_spec={point: SplitPoint.BEGINNING for point in cut.split_points}))
-        if pipe.num_stages != total:
-            raise RuntimeError(f"torch split {type(whole).__name__} into {pipe.num_stages} stages at "
-                               f"{list(cut.split_points)}, not {total}: a split module is not called on the forward's "
-                               "main path; fix: place modules by hand (sw.set_partition) at other modules")
+        """Cut, capture and keep this rank's stage; bind the optimizers to it; let the whole model go."""
+        whole, mesh = self.inner, self.mesh
+        signature = inspect.signature(whole.forward)  # not the bound method: it would keep the whole model alive
+        checkpointed = checkpointing.lift_checkpointing(whole)  # captured plain; set again on this rank's stage
+        pipe, cut, ranks = self._captured_pipe(whole, capture(fn, model, signature, *pieces[0]))
+        index = ranks.index(mesh["pp"].get_local_rank())
         wiring = Wiring(pipe.split_gm)
-        index = next(s for s in range(total) if ranks[s] == pp_rank)
         inner = pipe.get_stage_module(index)
         _as_in_model(inner, whole)
         checkpointing.restore_checkpointing(inner, checkpointed)
         ties = TiedWeights(inner, _tied_groups(pipe.replicated_params, wiring.module_names), [index])
         ties.connect(mesh.layout, dist.get_rank(), ranks)
         ties.broadcast_values()
-        stage = GraphStage(inner, wiring, index, cut)
-        strategy = self.wrap_part(stage, mesh, config, reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
-        stage.precision = strategy.autocast or stage.precision
-        runner = PipelineParallel(inner, [stage], [strategy.module], ties, pp_mesh.get_group(), config.pipeline_round,
-                                  forward=forward)
-        device = next(inner.parameters()).device
-        runner.schedule = build_schedule(config.pipeline_schedule, [
-            EvalSafeStage(strategy.module, index, total, device, group=pp_mesh.get_group())],
-            config.pipeline_round, runner.loss)
-        if self.zero1 is not None:
-            runner.binding = self.zero1(deferred=ties.held())
-        self.built = runner
-        model.module = runner.module
+        self.built = self._runner(GraphStage(inner, wiring, index, cut), ties, signature)
+        self.__dict__["inner"] = None  # the other stages' parameters are freed with the whole model
+        model.module = self.built.module
         held = dict(model.named_parameters(remove_duplicate=False))
         for update in self._deferred:
             adopt_model_parameters(update.optimizer, model.original_names, held)
-            update.target = runner.bind(update.optimizer, update.scaler, update.device)
+            update.target = self.built.bind(update.optimizer, update.scaler, update.device)
+
+    def _captured_pipe(self, whole: nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any, list[int]]:
+        """torch's split of `whole` at the cut the cost model chose (printed on rank 0), the cut, and the pp rank of
+        each stage."""
+        config, stages = self.config, self.mesh["pp"].size()
+        cut = cut_graph(whole, inputs, stages, memory_weight(config), config.auto_partition, config.default_partition)
+        ranks = stage_ranks(config.pipeline_schedule, stages, stages)
+        if dist.get_rank() == 0:
+            print(cut.describe(ranks), flush=True)
+        pipe = captured(whole, "export", lambda: pipeline(
+            whole, mb_args=(), mb_kwargs=_distinct(inputs),
+            split_spec={point: SplitPoint.BEGINNING for point in cut.split_points}))
+        if pipe.num_stages != stages:
+            raise RuntimeError(f"torch split {type(whole).__name__} into {pipe.num_stages} stages at "
+                               f"{list(cut.split_points)}, not {stages}: a split module is not called on the "
+                               "forward's main path; fix: place modules by hand (sw.set_partition) at other modules")
+        return pipe, cut, ranks
+
+    def _runner(self, stage: GraphStage, ties: TiedWeights, signature: inspect.Signature) -> PipelineParallel:
+        """The stage wrapped as the composition wraps a part, under the configured schedule."""
+        config, pp_mesh = self.config, self.mesh["pp"]
+        strategy = self.wrap_part(stage, self.mesh, config,
+                                  reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
+        stage.precision = strategy.autocast or stage.precision
+        runner = PipelineParallel(stage.module, [stage], [strategy.module], ties, pp_mesh.get_group(),
+                                  config.pipeline_round, signature=signature)
+        device = next(stage.module.parameters()).device
+        runner.schedule = build_schedule(config.pipeline_schedule, [EvalSafeStage(
+            strategy.module, stage.index, pp_mesh.size(), device, group=pp_mesh.get_group())],
+            config.pipeline_round, runner.loss)
+        if self.zero1 is not None:
+            runner.binding = self.zero1(deferred=ties.held())
+        return runner
 
 
 def _tied_groups(replicated: list[dict[str, str]], stage_modules: list[str]) -> list[tuple[list[str], list[int]]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
@@ -25,7 +26,6 @@ from ..strategy import Pieces, Strategy
 from ..tensor import loss_context
 from . import schedule as schedules
 from .calls import OutputsModel, call_with, capture
-from .stage import StageModule
 from .ties import TiedWeights
 
 
@@ -96,11 +96,11 @@ class PipelineParallel(Strategy):
 
     def __init__(self, inner: nn.Module, stages: list[Any], wrapped: list[nn.Module],
                  ties: TiedWeights, pp_group: dist.ProcessGroup, per_round: int,
-                 forward: Optional[Callable] = None):
-        """`stages`: this rank's `StageModule`s (or graph stages); `forward`: the model's own forward, whose
-        signature names the inputs (default `inner`'s)."""
+                 signature: Optional[inspect.Signature] = None):
+        """`stages`: this rank's `StageModule`s (or graph stages); `signature`: the model's forward's, which names
+        the inputs (default `inner.forward`'s)."""
         super().__init__(StageModules(wrapped), inner)  # inner: reduced to this rank's stages, names unsplit
-        self.signature = forward or inner.forward
+        self.signature = signature or inspect.signature(inner.forward)
         self.stages = stages
         self.ties = ties
         self.pp_group = pp_group
