@@ -7,6 +7,13 @@ mean anything run on two.
 """
 
 import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -28,7 +35,10 @@ from shardwise.torch_internals import (
     children_table,
     clear_dtensor_caches,
     flatten_mesh,
+    flight_recorder_trace,
+    process_groups,
     replicate,
+    set_group_timeout,
     strided_shard,
     style_input_fn,
     style_output_fn,
@@ -272,6 +282,66 @@ def test_children_table_edits_a_module_list_without_renumbering():
     children["3"] = nn.Identity()
     assert [name for name, _ in blocks.named_children()] == ["0", "2", "3"]
     assert [name.split(".")[0] for name, _ in blocks.named_parameters()] == ["0", "0", "2", "2"]
+
+
+# ----- process groups and the flight recorder -----
+
+FLIGHT_RECORDER_SCRIPT = """
+import json, os
+os.environ["TORCH_FR_BUFFER_SIZE"] = "4"
+import torch, torch.distributed as dist
+from shardwise.torch_internals import flight_recorder_trace
+
+def collectives():
+    dist.all_reduce(torch.ones(2))
+    dist.all_reduce(torch.ones(2), group=group)
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+group = dist.new_group([0], group_desc="second")
+for _ in range(3):
+    collectives()
+trace = flight_recorder_trace()
+print(json.dumps({"status": trace["pg_status"], "entries": [
+    {"op": e["profiling_name"], "group": list(e["process_group"]), "seq": e["collective_seq_id"],
+     "stack": [f["name"] for f in e["frames"]]} for e in trace["entries"]]}))
+"""
+
+
+def test_flight_recorder_trace_lists_recent_collectives_with_group_sequence_and_stack_on_gloo():
+    """Hang reports read each rank's recent collectives, and how far it got in each group, from it."""
+    done = subprocess.run([sys.executable, "-c", FLIGHT_RECORDER_SCRIPT], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    trace = json.loads(done.stdout.splitlines()[-1])
+    assert [entry["seq"] for entry in trace["entries"]] == [2, 2, 3, 3]  # the buffer keeps the newest 4
+    assert [entry["group"] for entry in trace["entries"]][:2] == [["0", "default_pg"], ["1", "second"]]
+    assert {entry["op"] for entry in trace["entries"]} == {"gloo:all_reduce"}
+    assert all("collectives" in entry["stack"] for entry in trace["entries"])
+    assert {name: status["last_enqueued_collective"] for name, status in trace["status"].items()} == {"0": 3, "1": 3}
+
+
+def _group_timeout() -> dict:
+    group = dist.new_group([0, 1], group_desc="pair")
+    name, (found, desc, ranks) = next((n, g) for n, g in process_groups().items() if g[0] is group)
+    set_group_timeout(group, timedelta(seconds=1))
+    seconds = None
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="Timed out"):
+            dist.all_reduce(torch.ones(1), group=group)
+        seconds = time.monotonic() - start
+    else:
+        time.sleep(4)
+    return {"desc": desc, "ranks": ranks, "world_listed": dist.group.WORLD in [g for g, _, _ in
+                                                                               process_groups().values()],
+            "seconds": seconds}
+
+
+def test_set_group_timeout_shortens_a_new_groups_wait_and_process_groups_lists_it():
+    """A group made after the world waits torch's 30 minutes unless its timeout is set."""
+    first, second = run_distributed(_group_timeout, 2, timeout=120)
+    assert first["desc"] == "pair" and first["ranks"] == [0, 1] and first["world_listed"]
+    assert 1 <= first["seconds"] < 3.5, first
 
 
 # ----- tests and bench only -----

@@ -25,10 +25,13 @@ Used by tests and `bench/` only, and checked by the smoke tests all the same:
 
 from __future__ import annotations
 
+import pickle
+from datetime import timedelta
 from functools import partial
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 # FSDP2's replication, DTensor-aware; a pipeline stage's piecewise backward is beyond DDP's reducer.
@@ -48,7 +51,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 __all__ = [
-    "FakeTensorMode", "at_backward_end", "children_table", "clear_dtensor_caches", "flatten_mesh", "replicate",
+    "FakeTensorMode", "at_backward_end", "children_table", "clear_dtensor_caches", "flatten_mesh",
+    "flight_recorder_trace", "process_groups", "replicate", "set_group_timeout",
     "strided_shard", "style_input_fn", "style_output_fn",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
     "unscale_and_check_", "version",
@@ -119,3 +123,24 @@ def strided(tensor: torch.Tensor) -> bool:
     # DCP records a DTensor's piece by one offset, which a strided piece (a slice of every chunk) has not:
     # torch 2.13 writes overlapping chunks for it. There is no public placement to test against.
     return isinstance(tensor, DTensor) and any(isinstance(p, _StridedShard) for p in tensor.placements)
+
+
+def flight_recorder_trace() -> dict[str, Any]:
+    """This process's recent collectives, each with its group, sequence number and Python stack, and how far
+    each group got (`pg_status`); empty unless TORCH_FR_BUFFER_SIZE was set before the first process group."""
+    # c10d's flight recorder, which NCCL's watchdog dumps to files; on gloo only this binding reads it in 2.13.
+    # A public in-process dump API would replace it.
+    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """Change how long `group`'s collectives wait (groups made after the world keep torch's 30-minute default)."""
+    # Public only as new_group(timeout=...), at creation; DeviceMesh makes its groups without one.
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def process_groups() -> dict[str, tuple[dist.ProcessGroup, str, list[int]]]:
+    """Every process group of this process by name (as the flight recorder names them): group, description, ranks."""
+    # c10d's registry of groups; public API lists the ranks of a group one holds, but no groups.
+    return {name: (group, group.group_desc, dist.get_process_group_ranks(group))
+            for group, name in dist.distributed_c10d._world.pg_names.items()}

@@ -97,6 +97,10 @@ class ShardwiseConfig(SmpOnlySettings):
         None, ge=1, description="Every N calls of a @step function, the ranks all-gather its call count, its "
         "microbatches and model forward calls and their optimizer steps, and stop with an error naming the ranks "
         "that differ. Unset: off.")
+    collective_timeout_seconds: float = Field(
+        300, gt=0, description="How long a rank waits in a collective (of the world and every group shardwise makes) "
+        "before it stops with a report naming the collective, its group and sequence number and the ranks that "
+        "never joined it.")
     auto_wrap_min_params: int = Field(
         10_000_000,
         ge=1,

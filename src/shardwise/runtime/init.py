@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from datetime import timedelta
 from typing import Any, Mapping, Union
 
 import torch
@@ -14,7 +15,7 @@ from ..config.effects import notice_of
 from ..config.sources import CONFIG_ENV
 from ..topology import Cluster
 from ..topology.layout import validate
-from . import state
+from . import hang_report, state
 from .agreement import check_same_config
 from .devices import backend_for, local_device
 from .mesh import ParallelMesh, forget_cached_meshes
@@ -52,15 +53,17 @@ def _cluster() -> Cluster:
     return cluster if cluster.world_size == world else Cluster(1, world)  # a caller's group: nodes unknown
 
 
-def _start_process_group(device: torch.device) -> bool:
-    """Join torchrun's world, or make a one-process world; False when the caller already made one."""
+def _start_process_group(device: torch.device, timeout: timedelta) -> bool:
+    """Join torchrun's world, or make a one-process world, with the flight recorder on (hang reports need it);
+    False when the caller already made one."""
     if dist.is_initialized():
         return False
+    hang_report.enable_flight_recorder()
     backend = backend_for(device)
     if _torchrun_world():
-        dist.init_process_group(backend, device_id=device if device.type != "cpu" else None)
+        dist.init_process_group(backend, device_id=device if device.type != "cpu" else None, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return True
 
 
@@ -88,10 +91,12 @@ def init(config: ConfigLike = None) -> ShardwiseConfig:
     resolved, layout = validate(data, cluster, conflicts)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = local_device(local_rank)
-    owns = _start_process_group(device)
+    owns = _start_process_group(device, timedelta(seconds=resolved.collective_timeout_seconds))
     check_same_config(resolved, device)
     warn_ineffective(ineffective_settings(resolved))
     mesh = ParallelMesh(device, layout)
+    hang_report.apply_timeout(resolved.collective_timeout_seconds)
+    hang_report.start(dist.get_rank(), resolved.collective_timeout_seconds)
     state.set_current(state.Runtime(config=resolved, cluster=cluster, layout=layout, mesh=mesh, device=device,
                                     rank=dist.get_rank(), local_rank=local_rank, owns_process_group=owns))
     return resolved
@@ -113,6 +118,7 @@ def shutdown(wait: bool = True) -> None:
 
             wait_for_pending_save(state.current())
     state.set_current(None)
+    hang_report.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     forget_cached_meshes()
