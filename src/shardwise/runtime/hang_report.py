@@ -55,6 +55,7 @@ def _store() -> Optional[dist.TCPStore]:
 
 
 def _describe(entry: dict[str, Any]) -> dict[str, Any]:
+    """A flight-recorder entry as the report shows it: the collective, its group and number, its Python stack."""
     frames = [f"{frame['filename']}:{frame['line']} in {frame['name']}" for frame in entry.get("frames", [])]
     return {"collective": entry["profiling_name"], "group": entry["process_group"][0],
             "group_desc": entry["process_group"][1], "sequence": entry["collective_seq_id"],
@@ -144,54 +145,67 @@ def _name(hung: dict[str, Any]) -> str:
     return f"collective {hung['collective']} #{hung['sequence']} of process group {hung['group']}{desc}"
 
 
-def is_collective_timeout(error: BaseException) -> bool:
-    """A collective that timed out, as gloo (`Timed out waiting`) and NCCL's watchdog (`timeout`) word it."""
+def is_collective_timeout(error: Optional[BaseException]) -> bool:
+    """A collective that timed out, as gloo (`Timed out waiting`) and NCCL's watchdog (`timeout`) word it
+    (a store's timeout, at rendezvous say, is none)."""
     while error is not None:
-        if isinstance(error, RuntimeError) and "timed out" in str(error).lower().replace("timeout", "timed out"):
+        text = str(error).lower()
+        collective = isinstance(error, RuntimeError) and not isinstance(error, dist.DistStoreError)
+        if collective and ("timed out" in text or "timeout" in text):
             return True
         error = error.__cause__ or error.__context__
     return False
 
 
-def _waited_in(trace: dict[str, Any]) -> Optional[dict[str, Any]]:
+def _waited_in(rank: int, trace: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The newest collective this thread entered: the one it timed out in."""
     entries = trace.get("entries", [])
     mine = [e for e in entries if e.get("thread_id") == str(threading.get_ident())] or entries
-    return _describe(mine[-1]) if mine else None
+    return {**_describe(mine[-1]), "rank": rank} if mine else None
 
 
-def _positions_of(store: dist.TCPStore, ranks: list[int]) -> dict[int, dict[str, int]]:
-    """How far each rank that answers within ANSWER_SECONDS got in each group."""
-    deadline, answers = time.monotonic() + ANSWER_SECONDS, {}
-    while time.monotonic() < deadline and len(answers) < len(ranks):
-        for rank in ranks:
-            if rank not in answers and store.check([_key(f"rank{rank}")]):
-                answers[rank] = json.loads(store.get(_key(f"rank{rank}")))
-        time.sleep(0.1)
-    return answers
+def _positions_of(hung: dict[str, Any], ranks: list[int]) -> Optional[dict[int, dict[str, int]]]:
+    """Post the hang; how far each rank that answers within ANSWER_SECONDS got in each group (None: no store)."""
+    try:
+        store = _store()
+        if store is None:
+            return None
+        store.set(_key("hung"), json.dumps(hung))
+        deadline, answers = time.monotonic() + ANSWER_SECONDS, {}
+        while time.monotonic() < deadline and len(answers) < len(ranks):
+            for rank in ranks:
+                if rank not in answers and store.check([_key(f"rank{rank}")]):
+                    answers[rank] = json.loads(store.get(_key(f"rank{rank}")))
+            time.sleep(0.1)
+        return answers
+    except (dist.DistError, RuntimeError):
+        return None  # the launcher's store is gone too
+
+
+def _verdict(hung: dict[str, Any], others: list[int], answers: Optional[dict[int, dict[str, int]]]) -> tuple[
+        dict[int, int], list[int], str]:
+    """Who never joined (with their last sequence number in the group), who did not answer, and both in words."""
+    if answers is None:
+        return {}, others, "the other ranks could not be asked (no launcher store: start the job with shardwise run)"
+    reached = {r: answers[r].get(hung["group"], 0) for r in others if r in answers}
+    behind = {r: n for r, n in reached.items() if n < hung["sequence"]}
+    silent = [r for r in others if r not in answers]
+    words = [f"rank {r} never joined it (its last in that group: #{n})" for r, n in behind.items()]
+    words += [f"ranks {silent} did not answer (dead, or stuck outside Python)"] if silent else []
+    return behind, silent, "; ".join(words) or "every rank of the group reached it"
 
 
 def report(rank: int, seconds: float) -> str:
     """After this rank's collective timed out: post it, gather the others' positions, write the report;
     returns the one-line error naming the collective, its group and sequence number and who never joined."""
     snapshot = _snapshot(rank)
-    hung = _waited_in(flight_recorder_trace())
+    hung = _waited_in(rank, flight_recorder_trace())
     if hung is None:
         return (f"a collective timed out after {seconds:g} s on rank {rank} (the flight recorder is off: start the "
                 f"process group through shardwise.init to name it)")
-    hung["rank"] = rank
     members = process_groups().get(hung["group"], (None, "", list(range(dist.get_world_size()))))[2]
-    store = _store()
-    answers: dict[int, dict[str, int]] = {}
-    if store is not None:
-        store.set(_key("hung"), json.dumps(hung))
-        answers = _positions_of(store, [r for r in members if r != rank])
-    reached = {r: positions.get(hung["group"], 0) for r, positions in sorted(answers.items())}
-    behind = {r: n for r, n in reached.items() if n < hung["sequence"]}
-    silent = [r for r in members if r != rank and r not in answers]
+    others = [r for r in members if r != rank]
+    behind, silent, words = _verdict(hung, others, _positions_of(hung, others))
     path = _write(rank, {"hung_on_rank": hung, "never_joined": behind, "did_not_answer": silent, **snapshot})
-    verdict = [f"rank {r} never joined it (its last in that group: #{n})" for r, n in behind.items()]
-    verdict += [f"ranks {silent} did not answer (dead, or stuck outside Python)"] if silent else []
-    verdict = verdict or ["every rank of the group reached it"]
     where = f"; report: {path}" if path else ""
-    return f"{_name(hung)} timed out after {seconds:g} s on rank {rank}; {'; '.join(verdict)}{where}"
+    return f"{_name(hung)} timed out after {seconds:g} s on rank {rank}; {words}{where}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from datetime import timedelta
 from typing import Any, Mapping, Union
 
 import torch
@@ -53,17 +52,18 @@ def _cluster() -> Cluster:
     return cluster if cluster.world_size == world else Cluster(1, world)  # a caller's group: nodes unknown
 
 
-def _start_process_group(device: torch.device, timeout: timedelta) -> bool:
+def _start_process_group(device: torch.device) -> bool:
     """Join torchrun's world, or make a one-process world, with the flight recorder on (hang reports need it);
-    False when the caller already made one."""
+    False when the caller already made one. Joining keeps torch's timeout: `collective_timeout_seconds` is set
+    after, so that ranks slow to start are not taken for a hang."""
     if dist.is_initialized():
         return False
     hang_report.enable_flight_recorder()
     backend = backend_for(device)
     if _torchrun_world():
-        dist.init_process_group(backend, device_id=device if device.type != "cpu" else None, timeout=timeout)
+        dist.init_process_group(backend, device_id=device if device.type != "cpu" else None)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 
@@ -91,7 +91,7 @@ def init(config: ConfigLike = None) -> ShardwiseConfig:
     resolved, layout = validate(data, cluster, conflicts)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = local_device(local_rank)
-    owns = _start_process_group(device, timedelta(seconds=resolved.collective_timeout_seconds))
+    owns = _start_process_group(device)
     check_same_config(resolved, device)
     warn_ineffective(ineffective_settings(resolved))
     mesh = ParallelMesh(device, layout)
