@@ -14,8 +14,10 @@ materialises only what it keeps, and trains `--steps` steps of AdamW in fp32 on
 
 A model fits when it trains with every rank's peak resident memory within an
 equal share of the machine's memory (what the planner's `local` preset gives each
-rank). Each trial runs in fresh processes under a watchdog that stops it as soon
-as a rank exceeds its share or the machine runs short of memory. The grid's
+rank). Each trial runs in fresh processes, once the machine has room for every
+rank's share, under a watchdog that stops it as soon as a rank exceeds its share
+or the machine runs short of memory (then other processes took it, and the trial
+runs again). The grid's
 models (depth × width) are sorted by parameter count and searched, assuming a
 larger model never needs less memory: first where the planner predicts the
 largest fitting model, then its neighbour, then by bisection.
@@ -33,6 +35,7 @@ reduce-scatters (gradient shards copied back).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -70,6 +73,8 @@ LAYOUTS = {
 }
 VARIANTS = ("plain", "checkpointing", "offload")
 MACHINE_RESERVE = 1.5 * GiB  # a trial stops when the machine has less than this available
+SHORT = f"the machine had under {MACHINE_RESERVE / GiB:.1f} GiB available"
+ATTEMPTS = 3  # a trial stopped because other processes held the machine's memory runs again, after they let go
 
 
 @dataclass(frozen=True)
@@ -215,31 +220,55 @@ class TrialError(RuntimeError):
 
 
 def _watch(process: subprocess.Popen, capacity: float, timeout: float) -> tuple[float, str]:
-    """Poll the ranks' resident memory until `process` ends; stop it when a rank exceeds `capacity`, the
-    machine runs short, or `timeout` passes. (the most any rank held, why it was stopped or "")."""
-    start, peak, reason = time.monotonic(), 0.0, ""
+    """Poll the ranks' resident memory until `process` ends; stop it and its ranks (torchrun starts each in a
+    session of its own) when a rank exceeds `capacity`, the machine runs short, or `timeout` passes. (the most
+    any rank held, why it was stopped or "")."""
+    start, peak, reason, ranks = time.monotonic(), 0.0, "", []
     parent = psutil.Process(process.pid)
     while process.poll() is None:
         try:
-            rss = max((child.memory_info().rss for child in parent.children(recursive=True)), default=0)
+            ranks = parent.children(recursive=True) or ranks
+            rss = max((rank.memory_info().rss for rank in ranks), default=0)
         except psutil.NoSuchProcess:
             rss = 0
         peak = max(peak, rss)
         if rss > capacity:
             reason = f"a rank reached {rss / GiB:.2f} GiB"
         elif psutil.virtual_memory().available < MACHINE_RESERVE:
-            reason = f"the machine had under {MACHINE_RESERVE / GiB:.1f} GiB available"
+            reason = SHORT
         elif time.monotonic() - start > timeout:
             reason = f"not done after {timeout:.0f} s"
         if reason:
             os.killpg(process.pid, signal.SIGKILL)
+            for rank in ranks:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    rank.kill()
             process.wait()
             break
         time.sleep(0.1)
     return peak, reason
 
 
+def _wait_for_room(needed: float, limit: float) -> None:
+    """Wait, up to `limit` seconds, until the machine has `needed` bytes available: other users come and go."""
+    deadline = time.monotonic() + limit
+    while psutil.virtual_memory().available < needed and time.monotonic() < deadline:
+        time.sleep(10)
+
+
 def run_trial(layout: str, variant: str, cell: Cell, args, predicted: float) -> Outcome:
+    """One trial, once the machine has room for every rank's share; one that other processes' memory stopped
+    is no measurement and runs again."""
+    for _ in range(ATTEMPTS):
+        _wait_for_room(RANKS * args.capacity + MACHINE_RESERVE, args.trial_timeout)
+        outcome = _attempt(layout, variant, cell, args, predicted)
+        if outcome.reason != SHORT:
+            return outcome
+        print(f"  {layout} {variant} {cell.name}: stopped, {SHORT}; once more", flush=True)
+    raise TrialError(f"{layout} {variant} {cell.name}: {SHORT} in {ATTEMPTS} attempts: other processes held it")
+
+
+def _attempt(layout: str, variant: str, cell: Cell, args, predicted: float) -> Outcome:
     spec = {"config": config_of(layout, variant), "cell": asdict(cell), "seq": args.seq, "steps": args.steps,
             "checkpointing": variant != "plain"}
     params = cell.spec(args.seq).parameters
@@ -432,7 +461,8 @@ def main(argv=None) -> None:
     parser.add_argument("--memory-gib", type=float, default=psutil.virtual_memory().total / GiB,
                         help="memory the ranks share (default: this machine's)")
     parser.add_argument("--trial-timeout", type=float, default=1800, help="seconds before a trial is stopped")
-    parser.add_argument("--smoke", action="store_true", help="seconds: ZeRO-3 with offload on two tiny models")
+    parser.add_argument("--smoke", action="store_true", help="seconds: ZeRO-3 with offload on two tiny models, "
+                        "1 GiB per rank")
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--plot", help="write the PNG plot to this file")
     parser.add_argument("--trial", help=argparse.SUPPRESS)
@@ -442,6 +472,7 @@ def main(argv=None) -> None:
         return trial(json.loads(args.trial), args.out)
     if args.smoke:
         args.layouts, args.variants, args.depths, args.widths, args.steps = "ZeRO-3", "offload", [1, 2], [64], 1
+        args.memory_gib = 4
     unknown = [x for x in args.layouts.split(",") if x not in LAYOUTS] + [
         x for x in args.variants.split(",") if x not in VARIANTS]
     if unknown:
