@@ -21,7 +21,7 @@ import torch
 import shardwise as sw
 from shardwise.runtime.control_flow import ControlFlowMismatchError
 from shardwise.testing import run_distributed
-from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error
+from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error, train_reference
 
 STEPS, ROWS, WORLD, MICROBATCHES = 3, 4, 2, 2
 FAULTY = 1  # the step in which rank 1 diverges
@@ -60,16 +60,10 @@ def train(fault: str | None) -> dict:
 
 
 def test_checked_run_without_faults_trains_as_one_process():
-    model = build("stack")
-    optimizer = make_optimizer("adamw", model.parameters())
-    data = dataset("stack", STEPS * ROWS * WORLD)
-    for index in range(STEPS):
-        optimizer.zero_grad()
-        loss_fn("stack", model, *data[index * ROWS * WORLD:(index + 1) * ROWS * WORLD]).backward()
-        optimizer.step()
+    want = train_reference("stack", "adamw", STEPS, ROWS * WORLD)["state"]
     for result in run_distributed(train, WORLD, None, timeout=300):
         assert result["error"] is None
-        for name, value in model.state_dict().items():
+        for name, value in want.items():
             assert relative_error(result["state"][name], value) < 1e-5, name
 
 

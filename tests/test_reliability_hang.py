@@ -23,7 +23,7 @@ from shardwise.cli import main
 from shardwise.runtime import state
 from shardwise.runtime.hang_report import is_collective_timeout
 from shardwise.testing import run_distributed
-from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error
+from tiny_models import relative_error, train_reference
 
 TIMEOUT, STEPS, ROWS, WORLD = 3, 4, 4, 2
 SCRIPT = """
@@ -31,7 +31,7 @@ import sys, time
 sys.path.insert(0, {tests!r})
 import torch
 import shardwise as sw
-from tiny_models import build, dataset, loss_fn, make_optimizer
+from tiny_models import build, dataset, loss_fn, make_optimizer, train_reference
 
 sw.init()
 model = sw.DistributedModel(build("stack"))
@@ -71,17 +71,11 @@ def _launch(tmp_path: Path, fault: bool) -> tuple[int, Path, float]:
 
 
 def test_watched_run_without_faults_trains_as_one_process_and_ends_cleanly(tmp_path, capsys):
-    model = build("stack")
-    optimizer = make_optimizer("adamw", model.parameters())
-    data = dataset("stack", STEPS * ROWS * WORLD)
-    for index in range(STEPS):
-        optimizer.zero_grad()
-        loss_fn("stack", model, *data[index * ROWS * WORLD:(index + 1) * ROWS * WORLD]).backward()
-        optimizer.step()
+    want = train_reference("stack", "adamw", STEPS, ROWS * WORLD)["state"]
     code, run_dir, _ = _launch(tmp_path, fault=False)
     assert code == 0, capsys.readouterr().err
     state = torch.load(tmp_path / "state.pt")
-    for name, value in model.state_dict().items():
+    for name, value in want.items():
         assert relative_error(state[name], value) < 1e-5, name
     assert not list(run_dir.glob("logs/rank*/hang.json"))
 

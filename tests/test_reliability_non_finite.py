@@ -29,7 +29,7 @@ from shardwise.config import ShardwiseConfig
 from shardwise.config.effects import ineffective_settings
 from shardwise.runtime.non_finite import NonFiniteGradientError, NonFiniteGradientWarning
 from shardwise.testing import run_distributed
-from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error
+from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error, train_reference
 
 STEPS, ROWS, WORLD = 4, 2, 2
 # ZeRO-1: only the owner of `embed.weight`'s share sees the nan; ZeRO-3 with clipping agrees by the clip norm
@@ -89,15 +89,7 @@ def train(config: dict, bad_steps: set[int]) -> dict:
 
 def reference(skipped: set[int]) -> dict[str, torch.Tensor]:
     """One plain process on the same global batches, taking no step in `skipped`."""
-    model = build("stack")
-    optimizer = make_optimizer("adamw", model.parameters())
-    data = dataset("stack", STEPS * ROWS * WORLD)
-    for index in range(STEPS):
-        optimizer.zero_grad()
-        loss_fn("stack", model, *data[index * ROWS * WORLD:(index + 1) * ROWS * WORLD]).backward()
-        if index not in skipped:
-            optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_reference("stack", "adamw", STEPS, ROWS * WORLD, skipped=tuple(skipped))["state"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

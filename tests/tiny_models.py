@@ -195,9 +195,10 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def train_reference(kind: str, optimizer: str, steps: int, global_batch: int, clip: float | None = None,
-                    model: nn.Module | None = None, **sizes) -> dict:
+                    model: nn.Module | None = None, skipped: tuple[int, ...] = (), **sizes) -> dict:
     """One plain PyTorch process, no shardwise: `steps` steps on consecutive global batches,
-    clipping the gradient norm to `clip` if given; the model is `build(kind, **sizes)` unless given."""
+    clipping the gradient norm to `clip` if given, taking no optimizer step at the indices in `skipped`;
+    the model is `build(kind, **sizes)` unless given."""
     model = build(kind, freeze_key_bias=True, **sizes) if model is None else model
     opt = make_optimizer(optimizer, model.parameters())
     data = dataset(kind, steps * global_batch)
@@ -209,7 +210,8 @@ def train_reference(kind: str, optimizer: str, steps: int, global_batch: int, cl
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        if step not in skipped:
+            opt.step()
         losses.append(loss.item())
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
