@@ -21,7 +21,7 @@ from shardwise.parallel.activation_offload import StayOnDevice, schedule_for
 from shardwise.parallel.pipeline.stage import Elsewhere
 from shardwise.runtime.state import current
 from shardwise.testing import run_distributed
-from tiny_models import blocks, build, dataset, make_optimizer, relative_error, seed_step, train_reference
+from tiny_models import assert_trains_as, blocks, build, dataset, make_optimizer, seed_step, train_reference
 
 BLOCKS = 6
 ROWS = 2  # per data-parallel rank and step
@@ -189,11 +189,7 @@ def test_offloaded_training_matches_one_plain_process(config):
         moves, regions = rank["moves"], rank["regions"]
         extra = int("pipeline_parallel_degree" in config)
         assert regions <= moves["fetch"] == moves["take"] <= moves["store"] == regions + extra
-    held = [r["losses"] for r in ranks if r["losses"][0] is not None]
-    torch.testing.assert_close(torch.tensor(held).mean(0), torch.tensor(want["losses"]), rtol=TOLERANCE, atol=0)
-    state = ranks[0]["state"]
-    worst = max(want["state"], key=lambda name: relative_error(state[name], want["state"][name]))
-    assert relative_error(state[worst], want["state"][worst]) <= TOLERANCE, worst
+    assert_trains_as(ranks, want, TOLERANCE)
 
 
 def offload_notices(checkpointing: bool) -> list[str]:

@@ -216,6 +216,16 @@ def train_reference(kind: str, optimizer: str, steps: int, global_batch: int, cl
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+def assert_trains_as(ranks: list[dict], want: dict, tolerance: float) -> None:
+    """The mean loss per step over the ranks that hold it, and rank 0's whole parameters, match `want` (a
+    `train_reference`) within `tolerance`."""
+    held = [r["losses"] for r in ranks if r["losses"][0] is not None]
+    torch.testing.assert_close(torch.tensor(held).mean(0), torch.tensor(want["losses"]), rtol=tolerance, atol=0)
+    state = ranks[0]["state"]
+    worst = max(want["state"], key=lambda name: relative_error(state[name], want["state"][name]))
+    assert relative_error(state[worst], want["state"][worst]) <= tolerance, worst
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-3) -> float:
     """‖actual − expected‖ / max(‖expected‖, floor): tensors near zero are compared absolutely."""
     actual, expected = actual.double(), expected.double()
