@@ -11,7 +11,7 @@ from ..checkpoint import CheckpointError
 from ..config.errors import ConfigError
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["check_config", "run", "demo", "plan", "export"]
+COMMANDS = ["check_config", "run", "demo", "plan", "export", "report"]
 
 
 def build_parser() -> argparse.ArgumentParser:
