@@ -19,8 +19,9 @@ from shardwise.cli import main
 pytest.importorskip("matplotlib")
 
 _BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-needs_browser = pytest.mark.skipif(_BROWSER is None, reason="no headless Chromium on this machine; install one to "
-                                                            "check that the report's plots load: apt-get install -y chromium")
+needs_browser = pytest.mark.skipif(
+    _BROWSER is None, reason="no Chromium on this machine to check that the report's plots load in a browser; "
+                             "install one (Debian: apt-get install -y chromium)")
 
 # Runs in the page once everything (images included) has loaded: marks each <img> by whether it decoded whole.
 # A missing or undecodable image has no width; a cut-short PNG has its size but Chromium draws only its first
@@ -65,8 +66,9 @@ def images_in_browser(page: Path, tmp_path: Path) -> dict[str, str]:
     """Open a copy of `page` with the marking script in headless Chromium; each image's alt → "yes" if it loaded."""
     probe = tmp_path / f"probe-{page.name}"
     probe.write_text(page.read_text(encoding="utf-8").replace("</body>", _MARK_IMAGES + "</body>"), encoding="utf-8")
-    done = subprocess.run([_BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=" + str(tmp_path / "profile"),
-                           "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+    done = subprocess.run([_BROWSER, "--headless", "--no-sandbox", "--disable-gpu",
+                           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
+                           probe.as_uri()],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     parsed = _Images()
@@ -147,7 +149,8 @@ def test_run_without_metrics_is_one_line_naming_the_run_and_metrics_interval(tmp
 
 
 def test_partial_metrics_draw_what_was_recorded(tmp_path):
-    """Only global metrics, no breakdown, null losses, a last line cut short: the plots that can be drawn are."""
+    """Only global metrics, no breakdown, a null loss, a step recorded twice (a restart), a last line cut short:
+    the plots that can be drawn are, and the step's last record counts."""
     run = write_synthetic_run(tmp_path / "run")
     for rank_file in (run / "metrics").glob("rank*.jsonl"):
         rank_file.unlink()
@@ -155,6 +158,7 @@ def test_partial_metrics_draw_what_was_recorded(tmp_path):
     for row in rows:
         del row["breakdown"], row["tokens_per_s"]
         row["loss"] = None if row["step"] == 0 else row["loss"]
+    rows.append({**rows[-1], "loss": 0.125})
     (run / "metrics/global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo')
     (run / "config.json").unlink()
     assert main(["report", str(run)]) == 0
@@ -163,6 +167,7 @@ def test_partial_metrics_draw_what_was_recorded(tmp_path):
     assert titles == {"loss", "step time and its breakdown", "throughput"}
     assert "Not recorded in this run: memory per rank by category, bytes per process group" in html
     assert "steps recorded</th><td>6 (steps 0–5)" in html
+    assert "last loss</th><td>0.125<" in html
 
 
 def _alts(html: str) -> dict[str, str]:

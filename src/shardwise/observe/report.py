@@ -34,13 +34,15 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
 <h2>Summary</h2>
 <table>{% for label, value in summary %}<tr><th>{{ label }}</th><td>{{ value }}</td></tr>{% endfor %}</table>
 <h2>Plots</h2>
-{% for plot in plots %}<figure id="{{ plot.name }}"><img src="data:image/png;base64,{{ plot.png }}" alt="{{ plot.title }}"></figure>
+{% for plot in plots %}<figure id="{{ plot.name }}">
+<img src="data:image/png;base64,{{ plot.png }}" alt="{{ plot.title }}"></figure>
 {% endfor %}{% if missing %}<p>Not recorded in this run: {{ missing | join(", ") }} (docs/observability.md names
 the config keys that record each).</p>{% endif %}
 {% if comms %}<h2>Communication per rank and step</h2>
 <table><tr><th>group</th><th>collective</th><th>calls</th><th>{{ comms_unit }}</th><th>seconds</th>
 <th>algbw GB/s</th><th>busbw GB/s</th></tr>
-{% for row in comms %}<tr><td>{{ row[0] }}</td><td>{{ row[1] }}</td>{% for cell in row[2:] %}<td class="n">{{ cell }}</td>{% endfor %}</tr>
+{% for row in comms %}<tr><td>{{ row[0] }}</td><td>{{ row[1] }}</td>
+{% for cell in row[2:] %}<td class="n">{{ cell }}</td>{% endfor %}</tr>
 {% endfor %}</table>{% endif %}
 <h2>Layout</h2>
 <pre>{{ layout }}</pre>

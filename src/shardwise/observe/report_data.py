@@ -2,7 +2,8 @@
 
 The recorder writes `metrics/global.jsonl` (rank 0, one line per recorded step) and `metrics/rank<R>.jsonl`
 (memory and comms of rank R). Reading is tolerant: optional keys may be absent or null, a run may have
-recorded only one of the two kinds of file, and the last line of a run that was stopped mid-write is skipped.
+recorded only one of the two kinds of file, the last line of a run that was stopped mid-write is skipped,
+and a step recorded twice (a restarted run appends to the same files) counts with its last record.
 """
 
 from __future__ import annotations
@@ -133,10 +134,12 @@ def read_run(root: Path) -> RunData:
         raise ReportError(f"{root} is not a directory; pass the run directory `shardwise run` printed")
     metrics = root / "metrics"
     global_file = metrics / "global.jsonl"
-    rank_files = sorted((int(m.group(1)), p) for p in metrics.glob("rank*.jsonl") if (m := _RANK_FILE.fullmatch(p.name)))
+    rank_files = sorted((int(m.group(1)), path) for path in metrics.glob("rank*.jsonl")
+                        if (m := _RANK_FILE.fullmatch(path.name)))
     if not global_file.is_file() and not rank_files:
         raise ReportError(f"{root} has no metrics ({metrics}/global.jsonl, rank<R>.jsonl); {RECORD_HINT}")
-    steps = sorted(read_jsonl(global_file), key=lambda row: row["step"]) if global_file.is_file() else []
+    by_step = {row["step"]: row for row in read_jsonl(global_file)} if global_file.is_file() else {}
     launches = [_read_json(p) for p in sorted(root.glob("launch-node*.json"))]
     return RunData(root=root, config=_read_json(root / "config.json"), launches=[d for d in launches if d],
-                   steps=steps, ranks={rank: read_jsonl(path) for rank, path in rank_files})
+                   steps=[by_step[step] for step in sorted(by_step)],
+                   ranks={rank: read_jsonl(path) for rank, path in rank_files})
