@@ -11,6 +11,7 @@ and `loader_states` / `restore_loader_states` are what the checkpoint module cal
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -18,8 +19,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .. import torch_internals as pytree
+from ..observe.recorder import Recorder, recorder_for
 from ..runtime import ranks
 from ..runtime.state import Runtime, current
+
+
+_END = object()  # what a loop's iterator gives after its last batch
 
 
 class ResumableSampler(DistributedSampler):
@@ -76,10 +81,11 @@ class ShardedDataLoader:
     DistributedSampler does without `set_epoch`.
     """
 
-    def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device):
+    def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device, recorder: Recorder):
         self.loader = loader
         self.sampler = sampler
         self.device = device
+        self.recorder = recorder  # times each batch's fetch: the step's data wait
         self.consumed = sampler.start
         self.worker_seeds: Optional[torch.Generator] = None  # data_loader's own generator, reseeded every loop
 
@@ -133,12 +139,19 @@ class ShardedDataLoader:
     def _batches(self) -> Iterator[Any]:
         step = self.loader.batch_size * self.sampler.num_replicas
         length = len(self.sampler.dataset)
-        for batch in self.loader:
+        batches = iter(self.loader)
+        while True:
+            fetching = time.perf_counter()
+            batch = next(batches, _END)
+            if batch is _END:
+                break
             # Counted before the batch is handed over: a checkpoint taken while it trains must not give it again.
             # Padding (without drop_last) can make the last step overshoot the epoch.
             self.consumed = min(self.consumed + step, length)
-            yield pytree.tree_map(
+            batch = pytree.tree_map(
                 lambda x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch)
+            self.recorder.batch_fetched(fetching, time.perf_counter())
+            yield batch
         self._seek(0)
 
 
@@ -160,7 +173,7 @@ def data_loader(dataset: Dataset, batch_size: int, shuffle: bool = True, seed: i
         loader_kwargs["generator"] = torch.Generator()
     loader = ShardedDataLoader(
         DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs),
-        sampler, runtime.device)
+        sampler, runtime.device, recorder_for(runtime))
     loader.worker_seeds = loader_kwargs["generator"] if own_generator else None
     number = len(runtime.loaders)
     runtime.loaders.append(weakref.ref(loader))

@@ -10,6 +10,7 @@ import torch
 
 from ..checkpoint.contents import as_held
 from ..checkpoint.legacy import local_tensors
+from ..observe.recorder import recorder_for
 from ..parallel.precision import ScalingRule
 from ..runtime.init import warn_ineffective
 from ..runtime.non_finite import NonFiniteCheck
@@ -219,20 +220,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         `defaults["max_grad_norm"]` (LAMB's), since the optimizer itself sees only this rank's share under
         ZeRO-1 or a pipeline. Under ZeRO-1 each owner then starts broadcasting what it updated, and returns
         without waiting, unless the replica check is due (`replica_check_interval`)."""
-        clip, self._next_step_clip = self._clip(), None
-        checking = (contextlib.nullcontext() if self._non_finite is None
-                    else self._non_finite.checking(self.steps + 1))
-        with checking:
-            result, norm = self._update.step(closure, clip)
-        if norm is not None:
-            self.grad_norm = norm
-        self._overflow = ((self.loss_scaler is not None and self.loss_scaler.overflowed)
-                          or (self._non_finite is not None and self._non_finite.skipped))
-        self.skipped_steps += self._overflow
-        self.steps += 1
-        interval = self._runtime.config.replica_check_interval
-        if interval is not None and self.steps % interval == 0:
-            check_replicas(self._model.named_parameters(), self._runtime.mesh, self._runtime.device, self.steps)
+        with recorder_for(self._runtime).optimizer_step(self._runtime, self):
+            clip, self._next_step_clip = self._clip(), None
+            checking = (contextlib.nullcontext() if self._non_finite is None
+                        else self._non_finite.checking(self.steps + 1))
+            with checking:
+                result, norm = self._update.step(closure, clip)
+            if norm is not None:
+                self.grad_norm = norm
+            self._overflow = ((self.loss_scaler is not None and self.loss_scaler.overflowed)
+                              or (self._non_finite is not None and self._non_finite.skipped))
+            self.skipped_steps += self._overflow
+            self.steps += 1
+            interval = self._runtime.config.replica_check_interval
+            if interval is not None and self.steps % interval == 0:
+                check_replicas(self._model.named_parameters(), self._runtime.mesh, self._runtime.device, self.steps)
         return result
 
     def _name_of(self, stepped: torch.Tensor) -> str:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ..parallel.activation_offload import first_step_check
 from ..parallel.pipeline.runner import NOT_HERE
+from ..observe.recorder import Recorder, recorder_for
 from ..parallel.strategy import Pieces
 from ..runtime.control_flow import ControlFlowCheck, forward_calls
 from ..runtime.state import current
@@ -53,9 +54,10 @@ class StepOutput:
     outputs: list[Any]  # SMP's attribute: the value of each microbatch, in order
     holds_loss: bool
 
-    def __init__(self, outputs: list[Any], holds_loss: bool = True):
+    def __init__(self, outputs: list[Any], holds_loss: bool = True, recorder: Optional[Recorder] = None):
         self.outputs = outputs
         self.holds_loss = holds_loss
+        self._recorder = recorder  # takes the first reduce_mean of a step as its loss (observe/)
 
     def _combine(self, fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> Optional[torch.Tensor]:
         if not self.outputs:
@@ -64,7 +66,10 @@ class StepOutput:
 
     def reduce_mean(self) -> Optional[torch.Tensor]:
         """Mean over the microbatches of this rank (the step's loss when each microbatch returns its mean)."""
-        return self._combine(lambda xs: torch.stack(xs).mean(0))
+        mean = self._combine(lambda xs: torch.stack(xs).mean(0))
+        if self._recorder is not None:
+            self._recorder.loss_returned(mean)
+        return mean
 
     def reduce_sum(self) -> Optional[torch.Tensor]:
         return self._combine(lambda xs: torch.stack(xs).sum(0))
@@ -165,7 +170,7 @@ def _outline(result: Any) -> str:
     return repr(tree_map(lambda leaf: type(leaf).__name__, result)).replace("'", "")
 
 
-def _step_outputs(results: list[Any], holds_loss: bool) -> Any:
+def _step_outputs(results: list[Any], holds_loss: bool, recorder: Recorder) -> Any:
     """The function's return structure with a StepOutput of the per-microbatch values at every leaf.
 
     Off the last pipeline stage a value may be `NOT_HERE` (see PipelineParallel._results_everywhere): its
@@ -182,7 +187,7 @@ def _step_outputs(results: list[Any], holds_loss: bool) -> Any:
     def gathered(column: list[Any]) -> Optional[StepOutput]:
         if all(value is None for value in column):
             return None  # `return loss, None` keeps its None
-        return StepOutput([] if any(value is NOT_HERE for value in column) else column, holds_loss)
+        return StepOutput([] if any(value is NOT_HERE for value in column) else column, holds_loss, recorder)
 
     return tree_unflatten([gathered([leaves[i] for leaves, _ in flat]) for i in range(len(flat[0][0]))], spec)
 
@@ -244,11 +249,12 @@ def _decorate(fn: Callable[..., Any], split: _BatchSplit, detach_outputs: bool) 
                 runtime.microbatch = None
 
         forwards = forward_calls(models)
-        with first_step_check(runtime):
+        recorder = recorder_for(runtime)
+        with first_step_check(runtime), recorder.step_call(runtime, models, args, kwargs):
             results = models[0].run_step(per_microbatch, pieces, around)
         flow.after_call(runtime.config.control_flow_check_interval, runtime.device, len(pieces),
                         forward_calls(models) - forwards, sum(optimizer.steps for optimizer in runtime.optimizers))
-        return _step_outputs(results, models[0].holds_loss)
+        return _step_outputs(results, models[0].holds_loss, recorder)
 
     return run
 

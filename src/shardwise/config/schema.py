@@ -101,6 +101,38 @@ class ShardwiseConfig(SmpOnlySettings):
         300, gt=0, description="How long a rank waits in a collective (of the world and every group shardwise makes) "
         "before it stops with a report naming the collective, its group and sequence number and the ranks that "
         "never joined it.")
+    # Observability (observe/): what the runtime records each step and where it writes it.
+    metrics_interval: int = Field(
+        1, ge=0, description="Record metrics every N optimizer steps (0: off). Cheap ones (loss, step time, "
+        "throughput, lr, grad norm, loss scale, skipped steps, memory) always; the costly ones by their own keys.")
+    metrics_sinks: list[Literal["csv", "tensorboard", "wandb"]] = Field(
+        default_factory=list, description="Where rank 0 writes the global metrics besides global.jsonl: "
+        "metrics.csv, TensorBoard event files under <metrics dir>/tensorboard, Weights & Biases (when installed).")
+    metrics_dir: Optional[str] = Field(
+        None, description="Directory of the metrics files. Unset: <run dir>/metrics under shardwise run, else no "
+        "files (sw.metrics.latest() still answers).")
+    wall_clock_breakdown: bool = Field(
+        False, description="Split each recorded step's time into forward, backward, optimizer, data wait, exposed "
+        "communication and other; synchronises the device at phase boundaries and watches every op.")
+    comms_logger: bool = Field(
+        False, description="Log every collective of a recorded step per process group: count, bytes, time, "
+        "algorithmic and bus bandwidth (rank<R>.jsonl).")
+    flops_profiler: bool = Field(
+        False, description="Count the FLOPs of the first recorded step (FlopCounterMode) and report FLOPs, TFLOP/s "
+        "and MFU per recorded step.")
+    peak_tflops: Optional[float] = Field(
+        None, gt=0, description="Peak TFLOP/s of one device, for MFU (with flops_profiler).")
+    progress_bar: bool = Field(False, description="A progress bar on rank 0 (rich; plain lines when stdout is not "
+                               "a terminal): step, loss, step time, throughput, ETA.")
+    wandb_project: Optional[str] = Field(None, description="The Weights & Biases project of the wandb sink.")
+    checkpoint_dir: Optional[str] = Field(
+        None, description="Where the job's checkpoints go: a preempted job (SIGTERM) saves there at the next step "
+        "boundary, and a script resumes from its newest complete checkpoint after a restart (`shardwise run "
+        "--checkpoint-dir` sets it). Unset: SIGTERM stops the ranks without saving.")
+    preemption_grace_seconds: float = Field(
+        30, gt=0, description="After SIGTERM, how long the ranks have to reach a step boundary and save to "
+        "checkpoint_dir before they stop without saving; `shardwise run` waits this long (plus a margin) before "
+        "it kills them.")
     auto_wrap_min_params: int = Field(
         10_000_000,
         ge=1,
