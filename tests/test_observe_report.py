@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import main
+from shardwise.observe.report_data import read_run
 
 pytest.importorskip("matplotlib")
 
@@ -97,13 +98,15 @@ def write_synthetic_run(root: Path, steps: int = 6, world: int = 2) -> Path:
     for rank in range(world):
         with open(root / f"metrics/rank{rank}.jsonl", "w") as out:
             for step in range(steps):
+                gather = {"collective": "all_gather", "group": "dp_shard", "count": 4, "bytes": 8 * MB,
+                          "time_s": 0.004, "algbw_gbps": 2.0, "busbw_gbps": 1.0}
+                scatter = {"collective": "reduce_scatter", "group": "dp_shard", "count": 2, "bytes": 4 * MB,
+                           "time_s": 0.002, "algbw_gbps": 2.0 + rank, "busbw_gbps": 1.0}  # every other step
                 out.write(json.dumps({"step": step, "rank": rank, "memory": {
-                    "parameters_bytes": 4 * MB, "gradients_bytes": 4 * MB, "optimizer_state_bytes": 8 * MB,
-                    "device_peak_bytes": 20 * MB, "device_allocated_bytes": 16 * MB, "host_rss_bytes": 300 * MB},
-                    "comms": [{"collective": "all_gather", "group": "dp_shard", "count": 4, "bytes": 8 * MB,
-                               "time_s": 0.004, "algbw_gbps": 2.0, "busbw_gbps": 1.0},
-                              {"collective": "reduce_scatter", "group": "dp_shard", "count": 2, "bytes": 4 * MB,
-                               "time_s": 0.002, "algbw_gbps": 2.0, "busbw_gbps": 1.0}]}) + "\n")
+                    "parameters_bytes": (4 + rank) * MB, "gradients_bytes": 4 * MB, "optimizer_state_bytes": 8 * MB,
+                    "device_peak_bytes": 20 * MB, "device_allocated_bytes": 16 * MB,
+                    "host_rss_bytes": (300 + step) * MB},
+                    "comms": [gather, scatter] if step % 2 == 0 else [gather]}) + "\n")
     return root
 
 
@@ -139,13 +142,24 @@ def test_browser_check_fails_on_a_missing_or_broken_png(tmp_path):
     assert found == {**{title: "yes" for title in ALL_PLOTS}, "loss": "no", "step time and its breakdown": "no"}
 
 
+def test_memory_is_each_ranks_largest_and_comms_a_ranks_step(tmp_path):
+    run = read_run(write_synthetic_run(tmp_path / "run", steps=6))
+    memory = run.memory_by_rank()
+    assert [memory[rank]["parameters_bytes"] for rank in (0, 1)] == [4 * MB, 5 * MB]
+    assert memory[0]["host_rss_bytes"] == 305 * MB
+    comms = run.comms()
+    assert [(t.group, t.collective) for t in comms] == [("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")]
+    assert [(t.count, t.bytes, t.time_s, t.algbw_gbps) for t in comms] == [
+        pytest.approx((4, 8 * MB, 0.004, 2.0)), pytest.approx((1, 2 * MB, 0.001, 2.5))]
+
+
 def test_run_without_metrics_is_one_line_naming_the_run_and_metrics_interval(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     assert main(["report", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err == (f"shardwise report: {tmp_path / 'run'} has no metrics ({tmp_path / 'run' / 'metrics'}/global.jsonl, "
-                   "rank<R>.jsonl); record metrics by setting the config key metrics_interval "
-                   "(e.g. shardwise run --set metrics_interval=1)\n")
+                   "rank<R>.jsonl); record them with the config key metrics_interval at 1 or more (the default) "
+                   "under shardwise run, which writes them to <run dir>/metrics\n")
 
 
 def test_partial_metrics_draw_what_was_recorded(tmp_path):
@@ -165,7 +179,8 @@ def test_partial_metrics_draw_what_was_recorded(tmp_path):
     html = (run / "report.html").read_text()
     titles = set(_alts(html))
     assert titles == {"loss", "step time and its breakdown", "throughput"}
-    assert "Not recorded in this run: memory per rank by category, bytes per process group" in html
+    assert ("Not recorded in this run (config key that records it):\nmemory per rank by category (metrics_interval), "
+            "bytes per process group (comms_logger).") in html
     assert "steps recorded</th><td>6 (steps 0–5)" in html
     assert "last loss</th><td>0.125<" in html
 

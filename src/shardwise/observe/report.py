@@ -36,8 +36,8 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
 <h2>Plots</h2>
 {% for plot in plots %}<figure id="{{ plot.name }}">
 <img src="data:image/png;base64,{{ plot.png }}" alt="{{ plot.title }}"></figure>
-{% endfor %}{% if missing %}<p>Not recorded in this run: {{ missing | join(", ") }} (docs/observability.md names
-the config keys that record each).</p>{% endif %}
+{% endfor %}{% if missing %}<p>Not recorded in this run (config key that records it):
+{{ missing | join(", ") }}.</p>{% endif %}
 {% if comms %}<h2>Communication per rank and step</h2>
 <table><tr><th>group</th><th>collective</th><th>calls</th><th>{{ comms_unit }}</th><th>seconds</th>
 <th>algbw GB/s</th><th>busbw GB/s</th></tr>
@@ -91,10 +91,10 @@ def _png(figure) -> str:
 def render(run: RunData) -> str:
     """The report page of `run` as HTML text."""
     plots, missing = [], []
-    for name, title, draw in PLOTS:
+    for name, title, draw, key in PLOTS:
         figure = draw(run)
         if figure is None:
-            missing.append(title)
+            missing.append(f"{title} ({key})")
         else:
             plots.append({"name": name, "title": title, "png": _png(figure)})
     comms = run.comms()

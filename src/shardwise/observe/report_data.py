@@ -21,7 +21,8 @@ from ..topology import Cluster
 from ..topology.describe import describe_layout
 from ..topology.layout import validate
 
-RECORD_HINT = "record metrics by setting the config key metrics_interval (e.g. shardwise run --set metrics_interval=1)"
+RECORD_HINT = ("record them with the config key metrics_interval at 1 or more (the default) under shardwise run, "
+               "which writes them to <run dir>/metrics")
 MEMORY_STATE = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes")
 MEMORY_MEASURED = ("device_peak_bytes", "device_allocated_bytes", "host_rss_bytes")
 BREAKDOWN = ("forward_s", "backward_s", "optimizer_s", "data_wait_s", "exposed_comm_s", "other_s")

@@ -52,8 +52,8 @@ def step_time_figure(run: RunData) -> Optional[Figure]:
     """Where each step's time went: the breakdown stacked, the measured step time as a line over it."""
     if not run.has("step_time_s"):
         return None
-    fig, (ax,) = _figure("step time")
     parts = [key for key in BREAKDOWN if run.has(key, within="breakdown")]
+    fig, (ax,) = _figure("step time" if parts else "step time (its breakdown: set wall_clock_breakdown)")
     if parts:
         steps = [row["step"] for row in run.steps if row.get("breakdown")]
         values = [[(row["breakdown"].get(key) or 0.0) for row in run.steps if row.get("breakdown")] for key in parts]
@@ -136,11 +136,11 @@ def _label(key: str) -> str:
     return key.removesuffix("_bytes").replace("_", " ")
 
 
-# (name, what it shows, how to draw it), in the order the report shows them.
-PLOTS: list[tuple[str, str, Callable[[RunData], Optional[Figure]]]] = [
-    ("loss", "loss", loss_figure),
-    ("step_time", "step time and its breakdown", step_time_figure),
-    ("throughput", "throughput", throughput_figure),
-    ("memory", "memory per rank by category", memory_figure),
-    ("comms", "bytes per process group", comms_figure),
+# (name, what it shows, how to draw it, the config key that records it), in the order the report shows them.
+PLOTS: list[tuple[str, str, Callable[[RunData], Optional[Figure]], str]] = [
+    ("loss", "loss", loss_figure, "metrics_interval"),
+    ("step_time", "step time and its breakdown", step_time_figure, "metrics_interval"),
+    ("throughput", "throughput", throughput_figure, "metrics_interval"),
+    ("memory", "memory per rank by category", memory_figure, "metrics_interval"),
+    ("comms", "bytes per process group", comms_figure, "comms_logger"),
 ]
