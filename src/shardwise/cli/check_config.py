@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
-from ..config import ineffective_notice, load_dict
+from ..config import IneffectiveSettingsWarning, ineffective_notice, load_dict
+from ..config import deepspeed
+from ..config.sources import read_file
 from ..topology import Cluster
 from ..topology.describe import describe_layout
 from ..topology.layout import validate
@@ -22,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "`init` do; print the layout (degrees and the ranks of each group) or every "
                                    "error, and name the settings that have no effect in it. Exit 2 on error.")
     p.add_argument("config", nargs="?", help="JSON or YAML config file (omit for the defaults)")
+    p.add_argument("--config", dest="config_flag", default=None, metavar="FILE",
+                   help="the config file, as `shardwise run --config` takes it (a DeepSpeed config too)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (repeatable)")
     add_cluster_flags(p)
@@ -31,7 +36,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """The validation `run` and `init` make; the layout on stdout, the no-effect notice `init` warns with on stderr."""
     cluster = Cluster(nodes=args.nnodes, devices_per_node=args.nproc_per_node)
-    config, layout = validate(load_dict(args.config, args.overrides), cluster)
+    if args.config and args.config_flag:
+        print("shardwise check-config: the config is given twice; fix: pass it as the argument or with --config",
+              file=sys.stderr)
+        return 2
+    source = args.config or args.config_flag
+    data = read_file(source) if source else {}
+    translated = deepspeed.is_deepspeed(data)
+    if translated:
+        print(deepspeed.describe(deepspeed.translate(data)))
+    with warnings.catch_warnings():
+        if translated:  # what it cannot honour is in the section above, not repeated as a warning
+            warnings.simplefilter("ignore", IneffectiveSettingsWarning)
+        config, layout = validate(load_dict(data, args.overrides), cluster)
     print(describe_layout(config, layout, cluster))
     notice = ineffective_notice(config)
     if notice:

@@ -9,14 +9,55 @@ keys without a counterpart here come from `smp_only.py`; SMP's other spellings
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from .smp_only import SmpOnlySettings
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules that run one stage per rank
 PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}  # SMP's names for two orders of the letters D, P, T
+
+
+# The constructor arguments `sw.configured_optimizer` / `sw.configured_scheduler` take for each type (DeepSpeed's
+# names; api/configured.py builds them on torch.optim).
+OPTIMIZER_PARAMS = {"Adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"),
+                    "AdamW": ("lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam"),
+                    "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
+_WARMUP = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")
+SCHEDULER_PARAMS = {"WarmupLR": _WARMUP, "WarmupDecayLR": ("total_num_steps", *_WARMUP),
+                    "OneCycle": ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
+                                 "cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count",
+                                 "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom",
+                                 "decay_mom_rate", "last_batch_iteration")}
+
+
+class OptimizerBlock(BaseModel):
+    """DeepSpeed's `optimizer` block: the torch optimizer `sw.configured_optimizer` builds."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["Adam", "AdamW", "SGD"]
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerBlock(BaseModel):
+    """DeepSpeed's `scheduler` block: the learning-rate schedule `sw.configured_scheduler` builds."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["WarmupLR", "WarmupDecayLR", "OneCycle"]
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class DynamicLossArgs(BaseModel):
+    """SMP's `dynamic_loss_args` of DistributedOptimizer (unset ones keep its defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+    init_scale: Optional[float] = Field(None, gt=0)
+    scale_factor: Optional[float] = Field(None, gt=1)
+    scale_window: Optional[int] = Field(None, ge=1)
+    min_scale: Optional[float] = Field(None, ge=0)
+    delayed_shift: Optional[int] = Field(None, ge=1)
+    consecutive_hysteresis: Optional[bool] = None
 
 
 class ShardwiseConfig(SmpOnlySettings):
@@ -78,6 +119,24 @@ class ShardwiseConfig(SmpOnlySettings):
                        "gradient reduction.")
     fp16_params: bool = Field(False, description="SMP's earlier spelling of fp16 (parameters of distributed modules "
                               "in fp16): true turns fp16 on.")
+    loss_scale: float = Field(0.0, ge=0, description="fp16 with sw.configured_optimizer(): 0 scales the loss "
+                              "dynamically (by dynamic_loss_args), a number > 0 keeps that scale fixed (DeepSpeed's "
+                              "fp16.loss_scale).")
+    dynamic_loss_args: Optional[DynamicLossArgs] = Field(
+        None, description="fp16 with sw.configured_optimizer(): DistributedOptimizer's dynamic_loss_args (init_scale, "
+        "scale_factor, scale_window, min_scale, delayed_shift, consecutive_hysteresis).")
+    train_batch_size: Optional[int] = Field(
+        None, ge=1, description="Samples per optimizer step over all data-parallel ranks (DeepSpeed's): must equal "
+        "train_micro_batch_size_per_gpu x microbatches x data-parallel degree; sw.configured_batch_size() gives "
+        "each rank's @step batch.")
+    train_micro_batch_size_per_gpu: Optional[int] = Field(
+        None, ge=1, description="Samples per microbatch on each data-parallel rank (DeepSpeed's).")
+    optimizer: Optional[OptimizerBlock] = Field(
+        None, description="{type: Adam|AdamW|SGD, params: {...}} with DeepSpeed's names and defaults: the optimizer "
+        "sw.configured_optimizer(model) builds and wraps in a DistributedOptimizer.")
+    scheduler: Optional[SchedulerBlock] = Field(
+        None, description="{type: WarmupLR|WarmupDecayLR|OneCycle, params: {...}} with DeepSpeed's names and "
+        "semantics: the schedule sw.configured_scheduler(optimizer) builds.")
     gradient_clipping: Optional[float] = Field(None, gt=0, description="Global gradient-norm clip applied by optimizer.step().")
     sdp_gradient_clipping: Optional[float] = Field(
         None, ge=0, description="SMP: the gradient-norm clip of sharded data parallelism; with "

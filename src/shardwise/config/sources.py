@@ -1,6 +1,7 @@
 """Where a config comes from: a dict, a JSON or YAML file, and `key=value` overrides.
 
-Each may be a SageMaker estimator's whole `distribution` dict (`distribution.py`).
+Each may be a SageMaker estimator's whole `distribution` dict (`distribution.py`) or a
+DeepSpeed config (`deepspeed.py`), told apart by their keys.
 Every source ends as one plain dict of SMP keys; `validate.py` turns that into
 a `ShardwiseConfig`. Reading errors (missing file, bad syntax) are `ConfigError`s
 that carry the file and line.
@@ -16,6 +17,7 @@ from typing import Any, Iterable, Mapping, Union
 
 import yaml
 
+from . import deepspeed
 from .distribution import Distribution, is_distribution, parse_distribution
 from .effects import IneffectiveSettingsWarning, notice_of
 from .errors import ConfigError, Problem
@@ -76,12 +78,15 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def read_distribution(source: ConfigSource = None) -> Distribution:
     """A source (dict, path, or None) as a SageMaker `distribution` dict; a plain dict of config keys is its
-    parameters. What the distribution holds that changes nothing here is named once (the first rank, or the
-    process that reads it alone)."""
+    parameters, a DeepSpeed config its translation. What the source holds that changes nothing here is named
+    once (the first rank, or the process that reads it alone)."""
     data = {} if source is None else dict(source) if isinstance(source, Mapping) else read_file(source)
-    if not is_distribution(data):
+    if deepspeed.is_deepspeed(data):
+        distribution = deepspeed.as_distribution(data)
+    elif is_distribution(data):
+        distribution = parse_distribution(data, read_file)
+    else:
         return Distribution(data)
-    distribution = parse_distribution(data, read_file)
     notice = notice_of(distribution.ignored)
     if notice and os.environ.get("RANK", "0") == "0":
         warnings.warn(notice, IneffectiveSettingsWarning, stacklevel=3)

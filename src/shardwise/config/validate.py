@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from .errors import ConfigError, Problem, did_you_mean
 from .pipeline import pipeline_problems
-from .schema import ShardwiseConfig, field_names, unavailable_features
+from .schema import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ShardwiseConfig, field_names, unavailable_features
 from .smp_forms import translate
 from .sources import ConfigSource, load_dict
 
@@ -74,6 +74,37 @@ def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
                       "conflicts with sharded_data_parallel_degree > 1 (which already shards optimizer states)",
                       "drop shard_optimizer_state, or set sharded_data_parallel_degree to 1")
     yield from pipeline_problems(c)
+    yield from _block_problems(c)
+
+
+def _block_problems(c: ShardwiseConfig) -> Iterable[Problem]:
+    """Parameters the optimizer or scheduler `type` does not take, caught before a rank builds it."""
+    for key, block, known in (("optimizer", c.optimizer, OPTIMIZER_PARAMS), ("scheduler", c.scheduler,
+                                                                             SCHEDULER_PARAMS)):
+        if block is None:
+            continue
+        for name, value in block.params.items():
+            if name not in known[block.type]:
+                hint = did_you_mean(name, known[block.type]) or f"use {', '.join(known[block.type])}"
+                yield Problem(f"{key}.params.{name}", value, f"is not a parameter of {block.type}", hint)
+
+
+def batch_problems(c: ShardwiseConfig, dp: int) -> list[Problem]:
+    """DeepSpeed's rule train_batch_size = micro batch x gradient accumulation (microbatches) x data-parallel
+    ranks, checked once the data-parallel degree is known."""
+    total, micro, steps = c.train_batch_size, c.train_micro_batch_size_per_gpu, c.microbatches
+    if total is None:
+        return []
+    if micro is not None and total != micro * steps * dp:
+        return [Problem("train_batch_size", total, f"train_batch_size {total} != micro {micro} x "
+                        f"gradient_accumulation_steps {steps} x data-parallel ranks {dp} = {micro * steps * dp}",
+                        f"set train_batch_size to {micro * steps * dp}, or change the micro batch or "
+                        "gradient_accumulation_steps (microbatches) so the product is it")]
+    if total % (steps * dp):
+        return [Problem("train_batch_size", total, f"train_batch_size {total} is not divisible by "
+                        f"gradient_accumulation_steps {steps} x data-parallel ranks {dp} = {steps * dp}",
+                        f"use a multiple of {steps * dp}")]
+    return []
 
 
 def config_problems(data: Mapping[str, Any]) -> tuple[ShardwiseConfig, list[Problem]]:
