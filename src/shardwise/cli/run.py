@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from typing import Sequence
@@ -60,10 +61,10 @@ def launch_from_args(args: argparse.Namespace, script: str, script_args: Sequenc
     for note in notes:
         print(f"shardwise {args.command}: warning: {note.message}", file=sys.stderr)
     try:
-        spec = resolve(script, script_args, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                       node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                       hostfile=args.hostfile, run_dir=args.run_dir, console_ranks=args.console_ranks,
-                       max_restarts=args.max_restarts, processes_per_host=distribution.processes_per_host)
+        shape = scheduler_shape(args)
+        spec = resolve(script, script_args, **shape, hostfile=args.hostfile, run_dir=args.run_dir,
+                       console_ranks=args.console_ranks, max_restarts=args.max_restarts,
+                       processes_per_host=distribution.processes_per_host)
     except LaunchError as err:
         print(f"shardwise {args.command}: {err}", file=sys.stderr)
         return 2
@@ -72,6 +73,20 @@ def launch_from_args(args: argparse.Namespace, script: str, script_args: Sequenc
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
     return launch(spec, data)
+
+
+def scheduler_shape(args: argparse.Namespace) -> dict:
+    """The shape flags, each one not given taken from a SLURM or PyTorchJob environment (not with a hostfile,
+    which says the shape itself); the environment found is named on the console."""
+    from ..launcher.environment import detect
+
+    shape = {name: getattr(args, name) for name in ("nproc_per_node", "nnodes", "node_rank", "master_addr",
+                                                    "master_port")}
+    found = None if args.hostfile else detect(os.environ)
+    if found is None:
+        return shape
+    print(f"shardwise {args.command}: launch environment: {found.describe()}; shape flags given win", flush=True)
+    return {name: getattr(found, name) if value is None else value for name, value in shape.items()}
 
 
 def run(args: argparse.Namespace) -> int:
