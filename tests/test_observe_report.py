@@ -113,30 +113,71 @@ def write_synthetic_run(root: Path, steps: int = 6, world: int = 2) -> Path:
 ALL_PLOTS = {"loss", "step time and its breakdown", "throughput", "memory per rank by category",
              "bytes per process group"}
 
+# A tiny language model (token batches, so tokens/s is recorded too) trained for STEPS steps.
+TRAIN_SCRIPT = """
+import torch
+import shardwise as sw
+
+sw.init()
+torch.manual_seed(0)
+model = sw.DistributedModel(torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)))
+optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+@sw.step
+def train_step(model, tokens):
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    model.backward(loss)
+    return loss
+
+
+tokens = torch.randint(0, 32, ({steps} * 4 * sw.dp_size(), 9))
+for (batch,) in sw.data_loader(torch.utils.data.TensorDataset(tokens), batch_size=4, shuffle=False):
+    optimizer.zero_grad()
+    train_step(model, batch).reduce_mean()
+    optimizer.step()
+"""
+STEPS = 4
+PARAMETERS = 32 * 16 + 16 * 32 + 32
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> Path:
+    """The run directory of `shardwise run` of TRAIN_SCRIPT on 2 ranks (DDP) with every metric recorded."""
+    root = tmp_path_factory.mktemp("real")
+    script = root / "train.py"
+    script.write_text(TRAIN_SCRIPT.format(steps=STEPS))
+    run = root / "run"
+    assert main(["run", "--nproc-per-node", "2", "--set", "wall_clock_breakdown=true", "--set", "comms_logger=true",
+                 "--run-dir", str(run), str(script)]) == 0
+    assert main(["report", str(run)]) == 0
+    return run
+
+
+def test_report_of_a_real_run_has_every_plot_and_its_numbers(real_run):
+    html = unescape((real_run / "report.html").read_text())
+    assert set(_alts(html)) == ALL_PLOTS
+    assert f"steps recorded</th><td>{STEPS} (steps 1–{STEPS})" in html
+    assert "layout: pp=1 × dp_replicate=2 × dp_shard=1 × tp=1" in html
+    assert "data parallel: DDP" in html
+    all_reduce = next(t for t in read_run(real_run).comms() if t.collective == "all_reduce")
+    assert (all_reduce.group, all_reduce.count, all_reduce.bytes) == ("dp", 1, 4 * PARAMETERS)  # DDP's one bucket
+
 
 @needs_browser
-def test_report_of_synthetic_run_shows_every_plot_in_chromium(tmp_path, capsys):
-    run = write_synthetic_run(tmp_path / "run")
-    assert main(["report", str(run)]) == 0
-    page = run / "report.html"
-    assert capsys.readouterr().out == f"wrote {page}\n"
-    assert images_in_browser(page, tmp_path) == {title: "yes" for title in ALL_PLOTS}
-    html = unescape(page.read_text())
-    assert "dp_shard groups (ZeRO partition, inside nodes): [0,1]" in html  # the layout, from config + launch
-    assert '"sharded_data_parallel_degree": 2' in html
-    assert "Not recorded" not in html
+def test_report_plots_load_in_chromium(real_run, tmp_path):
+    assert images_in_browser(real_run / "report.html", tmp_path) == {title: "yes" for title in ALL_PLOTS}
 
 
 @needs_browser
-def test_browser_check_fails_on_a_missing_or_broken_png(tmp_path):
-    """The browser check can fail: an image whose file is missing, or whose PNG is cut short, is not loaded."""
-    run = write_synthetic_run(tmp_path / "run")
-    assert main(["report", str(run)]) == 0
-    page = run / "report.html"
-    html = page.read_text()
+def test_browser_check_fails_on_a_missing_or_broken_png(real_run, tmp_path):
+    """The check above can fail: an image whose file is missing, or whose PNG is cut short, is not loaded."""
+    html = (real_run / "report.html").read_text()
     first, second = html.split('src="data:image/png;base64,')[1:3]
-    html = html.replace(first[:first.index('"')], first[:200])  # the loss PNG truncated
+    html = html.replace(first[:first.index('"')], first[:200])  # the loss PNG cut short
     html = html.replace("data:image/png;base64," + second[:second.index('"')], "step_time.png")  # no such file
+    page = tmp_path / "broken.html"
     page.write_text(html)
     found = images_in_browser(page, tmp_path)
     assert found == {**{title: "yes" for title in ALL_PLOTS}, "loss": "no", "step time and its breakdown": "no"}

@@ -11,6 +11,7 @@ from .report_data import BREAKDOWN, MEMORY_MEASURED, MEMORY_STATE, RunData
 
 try:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 except ImportError as err:  # an optional dependency: only `shardwise report` needs it
     raise ImportError("shardwise report draws its plots with matplotlib; install it: pip install matplotlib") from err
 
@@ -23,11 +24,14 @@ def byte_unit(largest: float) -> tuple[float, str]:
     return next(((size, name) for size, name in _UNITS if largest >= size), _UNITS[-1])
 
 
-def _figure(title: str, rows: int = 1) -> tuple[Figure, list]:
+def _figure(title: str, xlabel: str = "step", rows: int = 1, whole_x: bool = True) -> tuple[Figure, list]:
+    """A figure of `rows` plots over one x axis; `whole_x`: ticks at whole numbers only (steps, ranks)."""
     fig = Figure(figsize=(_SIZE[0], _SIZE[1] * (1 + 0.45 * (rows - 1))), layout="constrained")
     axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     axes[0].set_title(title)
-    axes[-1].set_xlabel("step")
+    axes[-1].set_xlabel(xlabel)
+    if whole_x:
+        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     return fig, list(axes)
 
 
@@ -75,7 +79,7 @@ def throughput_figure(run: RunData) -> Optional[Figure]:
     ax.set_ylim(bottom=0)
     if run.has("tokens_per_s"):
         twin = ax.twinx()
-        lines += twin.plot(*run.series("tokens_per_s"), color="tab:orange", label="tokens/s")
+        lines += twin.plot(*run.series("tokens_per_s"), color="tab:orange", linestyle="--", label="tokens/s")
         twin.set_ylabel("tokens/s")
         twin.set_ylim(bottom=0)
     ax.legend(handles=lines, loc="lower right")
@@ -90,10 +94,8 @@ def memory_figure(run: RunData) -> Optional[Figure]:
         return None
     ranks = list(memory)
     host = [memory[r].get("host_rss_bytes") for r in ranks]
-    fig, axes = _figure("memory per rank (largest recorded)", rows=2 if any(v is not None for v in host) else 1)
-    axes[-1].set_xlabel("rank")
-    axes[-1].set_xticks(ranks)
-    device = [key for key in MEMORY_MEASURED if key != "host_rss_bytes"]
+    fig, axes = _figure("memory per rank (largest recorded)", "rank", rows=2 if any(v is not None for v in host) else 1)
+    device = [key for key in MEMORY_MEASURED if key != "host_rss_bytes" and any(key in memory[r] for r in ranks)]
     size, unit = byte_unit(max((v for m in memory.values() for k, v in m.items() if k != "host_rss_bytes"), default=1))
     width = 0.8 / (1 + len(device))
     bottom = [0.0] * len(ranks)
@@ -103,7 +105,7 @@ def memory_figure(run: RunData) -> Optional[Figure]:
         bottom = [b + h for b, h in zip(bottom, heights)]
     for i, key in enumerate(device, 1):
         axes[0].bar([r - 0.4 + width * (i + 0.5) for r in ranks], [memory[r].get(key, 0) / size for r in ranks],
-                    width, label=_label(key), hatch="//" if i == 1 else None)
+                    width, label=_label(key), hatch="//" if key == "device_peak_bytes" else None)
     axes[0].set_ylabel(unit)
     axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     if len(axes) == 2:
@@ -118,8 +120,7 @@ def comms_figure(run: RunData) -> Optional[Figure]:
     totals = run.comms()
     if not totals:
         return None
-    fig, (ax,) = _figure("bytes per process group (per rank and step)")
-    ax.set_xlabel("process group")
+    fig, (ax,) = _figure("bytes per process group (per rank and step)", "process group", whole_x=False)
     groups = list(dict.fromkeys(t.group for t in totals))
     size, unit = byte_unit(max(sum(t.bytes for t in totals if t.group == g) for g in groups) or 1)
     bottom = [0.0] * len(groups)
