@@ -17,12 +17,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..observe.report import write_report  # matplotlib loads only when the command runs
     from ..observe.report_data import ReportError
 
     try:
+        from ..observe.report import write_report  # matplotlib (optional) loads only when the command runs
+
         path = write_report(args.run_dir)
-    except ReportError as err:
+    except (ReportError, ImportError) as err:
         print(f"shardwise report: {err}", file=sys.stderr)
         return 2
     print(f"wrote {path}")

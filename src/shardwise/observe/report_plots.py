@@ -13,7 +13,8 @@ try:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 except ImportError as err:  # an optional dependency: only `shardwise report` needs it
-    raise ImportError("shardwise report draws its plots with matplotlib; install it: pip install matplotlib") from err
+    raise ImportError("the report draws its plots with matplotlib, which is not installed; fix: pip install "
+                      "matplotlib") from err
 
 _SIZE = (7.5, 3.6)
 _UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B"))
