@@ -32,7 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "model on a cluster and rank the ones that fit. Exit 2 on bad input.")
     p.add_argument("--model", required=True, metavar="MODEL",
                    help=f"preset ({', '.join(sorted(MODEL_PRESETS))}), FAMILY[:key=value,...] "
-                        "(gpt2, llama, bert, vit), a config.json path, or module:function")
+                        "(gpt2, llama, bert, vit), a config.json path, or module:function returning any nn.Module "
+                        "(built on the meta device; one without a transformers config of those families is traced "
+                        "on --input-shape, or on example_inputs(batch, seq) defined in its module)")
+    p.add_argument("--input-shape", type=_shape, metavar="D[,D...]",
+                   help="with module:function: one sample's shape, e.g. 1024 or 3,224,224; the traced forward gets "
+                        "a float tensor of (batch, *shape) as its first argument")
     p.add_argument("--cluster", metavar="[N x]PRESET",
                    help=f"e.g. 16xp4d.24xlarge; presets: {', '.join(CLUSTER_PRESETS)}")
     p.add_argument("--global-batch", type=positive(int), metavar="B",
@@ -48,6 +53,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     for flag, dest, _, kind, text, _ in _CLUSTER_FLAGS:
         flags.add_argument(flag, dest=dest, type=positive(kind), help=text)
     p.set_defaults(handler=run)
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape; write positive sizes joined by commas, e.g. 3,32,32")
+    return shape
 
 
 def _cluster(args: argparse.Namespace):
@@ -76,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.out:
             config_format(args.out)
-        result = plan(resolve_model(args.model), _cluster(args), global_batch=args.global_batch, seq=args.seq,
-                      precision=args.precision)
+        spec = resolve_model(args.model, input_shape=args.input_shape, seq=args.seq)
+        result = plan(spec, _cluster(args), global_batch=args.global_batch, seq=args.seq, precision=args.precision)
         if args.json:
             print(json.dumps(to_json(result), indent=1))
         else:

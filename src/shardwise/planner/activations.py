@@ -93,7 +93,10 @@ class BlockActivations:
 
 
 def block_activations(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kernels = Kernels()) -> BlockActivations:
-    """What one block keeps per token without checkpointing."""
+    """What one block keeps per token without checkpointing (a traced block: as traced in fp32, scaled to the
+    compute dtype; tensor parallelism does not split it)."""
+    if spec.traced:
+        return BlockActivations(spec.traced.block_saved_bytes * numerics.compute / _FP32, 0.0, 0.0)
     low = numerics.compute
     mask = kernels.dropout_mask_bytes or low
     h = spec.hidden
@@ -114,6 +117,9 @@ def edge_activations(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Ker
     The head keeps its logits and the fp32 log-softmax the loss computes from them;
     a vocabulary-parallel head shards both, so callers divide the logits part by tp.
     """
+    if spec.traced:
+        scale = numerics.compute / _FP32
+        return spec.traced.first_saved_bytes * scale, spec.traced.last_saved_bytes * scale
     embedding = numerics.residual_bytes
     mask = kernels.dropout_mask_bytes or embedding
     first = spec.embedding_saved_elements * embedding + (spec.hidden * mask if spec.hidden_dropout > 0 else 0)
@@ -146,6 +152,8 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     blocks only while their group is recomputed.
     """
     tokens = micro_batch * seq
+    if spec.graph_stages(pp):
+        return _graph_stage_activations(spec, tokens, numerics, pp, in_flight, checkpointing)
     block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel) * tokens
     layers = spec.stage_layers(pp)
     group = CHECKPOINTING[checkpointing]
@@ -166,3 +174,20 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
         return ActivationMemory(stored + first + last + once, host)
     busiest = max(in_flight * (stored + first), stored + last) + once
     return ActivationMemory(busiest, in_flight * host)
+
+
+def _graph_stage_activations(spec: ModelSpec, tokens: int, numerics: Numerics, pp: int, in_flight: int,
+                             checkpointing: str) -> ActivationMemory:
+    """The busiest stage of a module-graph cut: stage s holds max(1, in_flight - s) microbatches (1F1B) of what
+    it keeps; checkpointed, each stage keeps its input and recomputes the rest one microbatch at a time."""
+    stages = spec.graph_stages(pp)
+    scale = tokens * numerics.compute / _FP32
+    received = [0.0] + [s.output_elements * _FP32 for s in stages[:-1]]  # per token, in fp32 like saved_bytes
+    busiest = 0.0
+    for index, (stage, kept_input) in enumerate(zip(stages, received)):
+        held = max(1, in_flight - index)
+        if CHECKPOINTING[checkpointing]:
+            busiest = max(busiest, (held * kept_input + stage.saved_bytes) * scale)
+        else:
+            busiest = max(busiest, held * stage.saved_bytes * scale)
+    return ActivationMemory(busiest)

@@ -5,6 +5,10 @@ latency, and each byte pays the link's bandwidth times `LINK_EFFICIENCY`. A grou
 that spans nodes runs hierarchically (as NCCL does across NVLink and the network):
 the intra-node part moves the whole buffer over the node's links, the inter-node
 part moves 1/r of it per rank, and all ranks of a node share the node's NICs.
+On a cluster of `flat_rings` (gloo) every collective is one ring over the group's
+ranks, node by node, paced by its edge between nodes, which carries 1/n of the
+buffer per step and shares the node's link with the other groups' edges; gloo
+reduce-scatters by all-reducing the whole buffer.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .hardware import ClusterSpec
 # every rank's own tensors move, per rank, what an all-gather of them would; reduces to every rank
 # of its own share, what a reduce-scatter would.
 _PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "reduce": 1}
+_GLOO_PASSES = {**_PASSES, "reduce_scatter": 2}
 
 @dataclass(frozen=True)
 class GroupShape:
@@ -74,6 +79,8 @@ def collective_time(kind: str, nbytes: float, shape: GroupShape, cluster: Cluste
     buffer) in `calls` collectives of equal size: bandwidth is paid once, latency per call."""
     if shape.size == 1 or nbytes == 0:
         return LinkTime()
+    if cluster.flat_rings:
+        return _flat_ring_time(kind, nbytes, shape, cluster, calls)
     passes = _PASSES[kind]
     r, k = shape.per_node, shape.nodes
     intra = 0.0
@@ -85,6 +92,18 @@ def collective_time(kind: str, nbytes: float, shape: GroupShape, cluster: Cluste
     per_rank_bw = cluster.inter_node_bandwidth * A.LINK_EFFICIENCY / cluster.devices_per_node
     inter = passes * ((k - 1) / k * nbytes / r / per_rank_bw + calls * (k - 1) * cluster.inter_node_latency)
     return LinkTime(intra=intra, inter=inter)
+
+
+def _flat_ring_time(kind: str, nbytes: float, shape: GroupShape, cluster: ClusterSpec, calls: int) -> LinkTime:
+    """gloo's ring over the group's n ranks: passes × (n - 1) steps of 1/n of the buffer, at the pace of the
+    slowest edge, which between nodes shares the node's link with the edges of the node's other groups."""
+    steps, n = _GLOO_PASSES[kind] * (shape.size - 1), shape.size
+    if not shape.crosses_nodes:
+        bandwidth = cluster.intra_node_bandwidth * A.LINK_EFFICIENCY
+        return LinkTime(intra=steps * (nbytes / n / bandwidth + calls * cluster.intra_node_latency))
+    sharing = cluster.devices_per_node / shape.per_node
+    bandwidth = cluster.inter_node_bandwidth * A.LINK_EFFICIENCY / sharing
+    return LinkTime(inter=steps * (nbytes / n / bandwidth + calls * cluster.inter_node_latency))
 
 
 def p2p_time(nbytes: float, crosses_nodes: bool, cluster: ClusterSpec) -> LinkTime:

@@ -62,6 +62,7 @@ class ClusterSpec:
     intra_node_latency: float     # seconds per collective step inside a node
     inter_node_bandwidth: float   # bytes/s per node, per direction (all NICs together)
     inter_node_latency: float     # seconds per collective step between nodes
+    flat_rings: bool = False      # gloo: one ring over a group's ranks, reduce-scatter as a whole all-reduce
 
     @property
     def topology(self) -> Cluster:
@@ -109,7 +110,8 @@ _CPU_CORE_FLOPS = 50e9
 
 
 def local_node(processes: Optional[int] = None) -> dict:
-    """This machine as one node of `processes` CPU ranks (default: one per core), memory split evenly."""
+    """This machine as one node of `processes` CPU ranks (default: one per core), memory split evenly, its
+    collectives gloo's."""
     processes = processes or os.cpu_count() or 1
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = DeviceSpec("CPU", ram / processes, {"fp32": _CPU_CORE_FLOPS, "bf16": _CPU_CORE_FLOPS},
@@ -117,7 +119,7 @@ def local_node(processes: Optional[int] = None) -> dict:
                      kernels=Kernels(dropout_mask_bytes=None, flash_attention=True, flash_attention_dropout=False,
                                      math_attention_bytes=4), memory_is_host=True)
     return dict(devices_per_node=processes, device=cpu, intra_node_bandwidth=5 * GB,
-                intra_node_latency=50e-6, inter_node_bandwidth=1.25 * GB, inter_node_latency=100e-6)
+                intra_node_latency=50e-6, inter_node_bandwidth=1.25 * GB, inter_node_latency=100e-6, flat_rings=True)
 
 
 PRESETS = sorted([*_NODES, "local"])

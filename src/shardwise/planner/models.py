@@ -3,7 +3,8 @@
 `resolve_model` accepts any of these in one string, so the CLI's `--model` and
 the Python API read models the same way. Only `module:function` imports torch,
 and only when used: it builds the model on the meta device (no memory, no
-process group) to count its parameters.
+process group), reads a transformers model's config, and traces any other
+module's forward (traced.py).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import importlib
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Optional, Sequence
 
 import yaml
 
+from ..families import family_of as registered_family
 from .errors import PlanError, unknown
 from .families import BUILDERS, DEFAULTS, spec_from_hf, with_overrides
 from .spec import ModelSpec
@@ -61,8 +64,8 @@ def _parse_overrides(text: str, source: str) -> dict[str, Any]:
     return overrides
 
 
-def _build_on_meta(target: str) -> Any:
-    """Import `module:function`, call it under the meta device and return the model it builds."""
+def _build_on_meta(target: str) -> tuple[Any, ModuleType]:
+    """Import `module:function`, call it under the meta device; the model it builds and the module."""
     module_name, _, func_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -83,23 +86,28 @@ def _build_on_meta(target: str) -> Any:
                         f"{type(err).__name__}: {err}") from None
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"model {target!r}: {func_name}() returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    return model, module
 
 
-def spec_from_builder(target: str) -> ModelSpec:
-    """Spec of the model `module:function` builds: shape from its HF config, parameters as counted."""
-    model = _build_on_meta(target)
-    counted = sum(p.numel() for p in model.parameters())
+def spec_from_builder(target: str, input_shape: Optional[Sequence[int]] = None, seq: Optional[int] = None) -> ModelSpec:
+    """Spec of the model `module:function` builds: a transformers model of a supported family from its config
+    (parameters as counted), any other module from a traced forward (traced.py) of `input_shape` per sample or
+    of the module's `example_inputs(batch, seq)`."""
+    model, module = _build_on_meta(target)
     config = getattr(model, "config", None)
-    if not hasattr(config, "to_dict"):
-        raise PlanError(f"model {target!r}: {type(model).__name__} has no Hugging Face config, so its layer "
-                        f"shapes are unknown; return a transformers model ({', '.join(sorted(BUILDERS))}) "
-                        "or pass --model FAMILY:key=value,... with its sizes")
-    return replace(spec_from_hf(config.to_dict(), target, source=f"model {target!r}"), parameters=counted)
+    model_type = getattr(config, "model_type", None)
+    if hasattr(config, "to_dict") and registered_family(str(model_type)) in BUILDERS and not input_shape:
+        counted = sum(p.numel() for p in model.parameters())
+        return replace(spec_from_hf(config.to_dict(), target, source=f"model {target!r}"), parameters=counted)
+    from .traced import example_inputs, spec_from_module
+
+    seq = seq or 1
+    return spec_from_module(model, target, example_inputs(model, target, module, input_shape, seq), seq)
 
 
-def resolve_model(text: str) -> ModelSpec:
-    """The spec `text` names: preset, `family[:key=value,...]`, config.json path, or `module:function`."""
+def resolve_model(text: str, *, input_shape: Optional[Sequence[int]] = None, seq: Optional[int] = None) -> ModelSpec:
+    """The spec `text` names: preset, `family[:key=value,...]`, config.json path, or `module:function` (whose
+    forward is traced on `input_shape` per sample, or on its module's `example_inputs(batch, seq)`)."""
     head, sep, rest = text.partition(":")
     if text in PRESETS or text in DEFAULTS:
         return spec_from_hf(PRESETS.get(text, {"model_type": text}), text)
@@ -108,5 +116,5 @@ def resolve_model(text: str) -> ModelSpec:
     if text.endswith(".json") or Path(text).is_dir():
         return spec_from_hf(_read_config_json(Path(text)), Path(text).stem, source=text)
     if sep and rest and head.replace(".", "").replace("_", "").isalnum():
-        return spec_from_builder(text)
+        return spec_from_builder(text, input_shape, seq)
     raise unknown("model", text, [*PRESETS, *DEFAULTS], FORMS)

@@ -111,12 +111,16 @@ def _model_problems(spec: ModelSpec, layout: Layout, global_batch: int, seq: int
     """Rules that need the model, the batch or the sequence, beyond what config validation knows."""
     problems = []
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    if spec.heads % tp or spec.kv_heads % tp:
+    if spec.traced and tp > 1:
+        problems.append(Problem("tensor_parallel_degree", tp, f"splits layers by a built-in plan, which the traced "
+                                f"model {spec.name} has not (gpt2, llama, bert and vit have)", "use 1"))
+    elif spec.heads % tp or spec.kv_heads % tp:
         problems.append(Problem("tensor_parallel_degree", tp, f"must divide the model's {spec.heads} attention "
                                 f"heads ({spec.kv_heads} key/value heads)", "use a smaller power of two"))
-    if pp > spec.layers:
-        problems.append(Problem("pipeline_parallel_degree", pp, f"exceeds the model's {spec.layers} layers",
-                                f"use at most {spec.layers} stages"))
+    if pp > spec.max_stages:
+        what = "layers" if spec.max_stages == spec.layers else "pipeline stages its module graph can be cut into"
+        problems.append(Problem("pipeline_parallel_degree", pp, f"exceeds the model's {spec.max_stages} {what}",
+                                f"use at most {spec.max_stages} stages"))
     if global_batch % dp:
         problems.append(Problem("global batch", global_batch, f"is not divisible by the data-parallel degree {dp}",
                                 "choose a global batch that is a multiple of it"))

@@ -9,11 +9,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage of a module-graph pipeline cut, per token: its parameter tensors, forward FLOPs, the bytes
+    autograd keeps for its backward (traced in fp32) and the elements it sends to the next stage."""
+
+    tensors: tuple[int, ...]
+    forward_flops: float
+    saved_bytes: float
+    output_elements: float
+
+
+@dataclass(frozen=True)
+class Traced:
+    """Per-token costs of a model without a Hugging Face config, measured by tracing its forward in fp32
+    (`traced.py`): one block, and the modules before and after the blocks. A model without a list of repeated
+    blocks is one block, and `graph_cuts[pp - 2]` are its stages as the runtime's module-graph cut makes them."""
+
+    block_flops: float
+    block_saved_bytes: float
+    edge_flops: float
+    first_saved_bytes: float
+    last_saved_bytes: float
+    graph_cuts: tuple[tuple[StageCost, ...], ...] = ()
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A transformer of `layers` identical blocks plus an embedding and an output head.
+    """A transformer of `layers` identical blocks plus an embedding and an output head, or a traced module.
 
     Parameters are listed tensor by tensor (element counts), because ZeRO-1 hands
     whole tensors to ranks. `embedding_tensors` and `head_tensors` live outside the
@@ -44,6 +70,24 @@ class ModelSpec:
     input_elements_per_token: float = 0.0  # model input a token carries (ViT: pixels of its patch)
     embedding_saved_elements: float = 0.0  # kept per token by the embedding for backward (ViT pixels, BERT's LayerNorm)
     head_saved_elements: float = 0.0       # kept per token by the final norm / head transform, before the logits
+    traced: Optional[Traced] = None        # measured costs, in place of the transformer formulas
+
+    def graph_stages(self, pp: int) -> tuple[StageCost, ...]:
+        """The module-graph cut into `pp` stages, for a traced model without a block list; else ()."""
+        cuts = self.traced.graph_cuts if self.traced else ()
+        return cuts[pp - 2] if 2 <= pp <= len(cuts) + 1 else ()
+
+    @property
+    def max_stages(self) -> int:
+        """Most pipeline stages the runtime can cut the model into."""
+        if self.traced and self.traced.graph_cuts:
+            return len(self.traced.graph_cuts) + 1
+        return self.layers
+
+    def boundary_elements(self, pp: int) -> float:
+        """Elements per token a pipeline stage sends to the next (the hidden state; a graph cut's largest)."""
+        stages = self.graph_stages(pp)
+        return max(s.output_elements for s in stages[:-1]) if stages else self.hidden
 
     @property
     def layer_parameters(self) -> int:
@@ -80,11 +124,22 @@ class ModelSpec:
 
     def forward_flops_per_token(self, seq: int, layers: int) -> float:
         """Forward FLOPs per token through `layers` blocks (what recompute repeats)."""
+        if self.traced:
+            return layers * self.traced.block_flops
         return layers * (2 * self.layer_parameters + 4 * seq * self.hidden)
 
     def edge_flops_per_token(self) -> float:
         """Forward FLOPs per token outside the blocks: the head and a ViT's patch projection."""
+        if self.traced:
+            return self.traced.edge_flops
         return 2 * (self.head_matmul_parameters + self.input_elements_per_token * self.hidden)
+
+    def stage_flops_per_token(self, seq: int, pp: int) -> tuple[float, float]:
+        """Forward FLOPs per token on the busiest stage: (in its blocks, which recompute repeats; outside them)."""
+        stages = self.graph_stages(pp)
+        if stages:
+            return max(s.forward_flops for s in stages), 0.0
+        return self.forward_flops_per_token(seq, self.stage_layers(pp)), self.edge_flops_per_token()
 
     def stage_layers(self, pp: int) -> int:
         """Blocks on the fullest pipeline stage (stages get ⌈layers / pp⌉ at most)."""
@@ -103,6 +158,9 @@ class ModelSpec:
     def stage_tensors(self, pp: int) -> tuple[int, ...]:
         """Parameter tensors of the largest pipeline stage, as `stage_parameters` counts them, in the order
         its forward uses them."""
+        stages = self.graph_stages(pp)
+        if stages:
+            return max((s.tensors for s in stages), key=sum)
         blocks = self.layer_tensors * self.stage_layers(pp)
         if pp == 1:
             return self.embedding_tensors + blocks + self.head_tensors

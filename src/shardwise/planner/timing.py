@@ -26,8 +26,8 @@ from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .hardware import ClusterSpec
 from .offload import activation_transfers, host_states, state_transfers
 from .spec import ModelSpec
-from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, first_broadcast_bucket, fully_sharded,
-                       optimizer_share, reduce_buckets, replicated_by_fsdp, stored_bytes)
+from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, cross_group_bytes, first_broadcast_bucket,
+                       fully_sharded, optimizer_share, reduce_buckets, replicated_by_fsdp, stored_bytes)
 
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
@@ -136,7 +136,9 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     if stage == 3:
         traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter")
     traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), "gradient")
-    traffic.add("sync", "all_reduce", grads / layout.dp_shard, ("dp_replicate",), "gradient shard")
+    # MiCS's cross-group all-reduce: one per unit (the blocks, then the root), overlapping the last backward
+    shards = rank_params / layout.dp_shard * cross_group_bytes(config, layout)
+    traffic.add("sync", "all_reduce", shards, ("dp_replicate",), "gradient shard", spec.stage_layers(layout.pp) + 1)
 
 
 def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, spec: ModelSpec,
@@ -228,10 +230,11 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     peak = cluster.device.peak_flops[config.dtype_name]
     rate = peak * A.ACHIEVABLE_FLOPS_FRACTION
     layers, tokens = spec.stage_layers(pp), micro_batch * seq
-    blocks_fwd = tokens * spec.forward_flops_per_token(seq, layers) / tp / rate
-    forward = blocks_fwd + tokens * spec.edge_flops_per_token() / tp / rate
+    in_blocks, outside = spec.stage_flops_per_token(seq, pp)
+    blocks_fwd = tokens * in_blocks / tp / rate
+    forward = blocks_fwd + tokens * outside / tp / rate
     recompute = blocks_fwd if CHECKPOINTING[checkpointing] else 0.0
-    activation = tokens * spec.hidden * compute_bytes(config)
+    activation = tokens * spec.boundary_elements(pp) * compute_bytes(config)
     traffic = _Traffic(cluster, layout, m, layers)
     tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0)
     _data_parallel_traffic(traffic, config, layout, spec)

@@ -52,6 +52,12 @@ def compute_bytes(config: ShardwiseConfig) -> int:
     return _LOW_BYTES[config.dtype_name]
 
 
+def cross_group_bytes(config: ShardwiseConfig, layout: Layout) -> int:
+    """Bytes per element of MiCS's gradient all-reduce across partition groups: `cross_group_reduce_dtype`'s
+    where shardwise runs it (parallel/cross_group.py), fp32 under a pipeline, where FSDP2's hybrid sharding does."""
+    return _LOW_BYTES[config.cross_group_reduce_dtype] if layout.pp == 1 else REDUCE_BYTES
+
+
 def stored_bytes(config: ShardwiseConfig) -> int:
     """Bytes per stored parameter and per gradient: the compute dtype on ZeRO-1's half-precision replicas,
     else fp32 (DDP's gradients of fp32 parameters, FSDP2's reduced in fp32)."""
@@ -181,5 +187,5 @@ def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     else:
         buffers = REDUCE_BYTES * rank_params if layout.dp > 1 else 0.0
     if layout.pp > 1:
-        buffers += 2 * micro_batch * seq * spec.hidden * low
+        buffers += 2 * micro_batch * seq * spec.boundary_elements(layout.pp) * low
     return buffers

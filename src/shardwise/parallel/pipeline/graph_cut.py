@@ -2,7 +2,8 @@
 
 The model runs once on the meta device (no memory, no arithmetic) with the first
 microbatch's inputs as fake tensors (which models treat as while torch traces them), which gives the order its modules are called in, each
-module's FLOPs (torch's `FlopCounterMode`) and its parameters. The cut is made at
+module's FLOPs (torch's `FlopCounterMode`), its parameters, the bytes autograd saves
+for its backward and the bytes it returns (what the planner charges a stage for). The cut is made at
 "units": the root's called children, a unit split further into its own called
 children while it costs more than a fraction of a stage. Each unit costs
 `(1 - memory_weight) · its share of the FLOPs + memory_weight · its share of the
@@ -30,14 +31,19 @@ _FINER = 4  # a unit is split further while it costs more than 1 / (_FINER · st
 
 
 @dataclasses.dataclass
-class _Call:
-    """A module the forward called: its path, first-call position, FLOPs (with its children's), own params."""
+class Call:
+    """A module the forward called: its path, first-call position, and with its children's: FLOPs, parameters
+    (and their tensors' sizes), bytes autograd saves for backward; the bytes of the tensors its first call
+    returns."""
 
     path: str
     order: int
     flops: int = 0
     params: int = 0
-    children: list["_Call"] = dataclasses.field(default_factory=list)
+    tensors: tuple[int, ...] = ()
+    saved_bytes: int = 0
+    output_bytes: int = 0
+    children: list["Call"] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,28 +80,44 @@ def captured(model: nn.Module, what: str, capture_it: Callable[[], Any]) -> Any:
                            "set pipeline_cut: blocks") from None
 
 
-def _trace(model: nn.Module, inputs: dict[str, Any]) -> tuple[_Call, Any]:
-    """The call tree of one forward on the meta device, with FLOPs and parameters, and the model's output."""
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+
+def trace_calls(model: nn.Module, inputs: dict[str, Any]) -> tuple[Call, Any]:
+    """The call tree of one forward on the meta device (see module docstring), and the model's output."""
     meta = meta_copy(model)
-    calls: dict[str, _Call] = {}
-    stack: list[_Call] = []
+    calls: dict[str, Call] = {}
+    stack: list[Call] = []
     paths = {module: path for path, module in meta.named_modules()}
+    own_saved: dict[str, int] = dict.fromkeys(paths.values(), 0)
+    seen: set[int] = set()  # storages already counted: a tensor saved twice (or a view of one) is kept once
 
     def enter(module: nn.Module, args: Any) -> None:
         path = paths[module]
         if path not in calls:
-            calls[path] = _Call(path, len(calls))
+            calls[path] = Call(path, len(calls))
             if stack:
                 stack[-1].children.append(calls[path])
         stack.append(calls[path])
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
-        stack.pop()
+        call = stack.pop()
+        call.output_bytes = call.output_bytes or _tensor_bytes(output)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage, base = tensor.untyped_storage()._cdata, tensor if tensor._base is None else tensor._base
+        weight = base.is_leaf and base.requires_grad  # a parameter (or a view of one): a state, not an activation
+        if storage not in seen and stack and not weight:
+            seen.add(storage)
+            own_saved[stack[-1].path] += tensor.numel() * tensor.element_size()
+        return tensor
 
     handles = [m.register_forward_pre_hook(enter) for m in paths] + [m.register_forward_hook(leave) for m in paths]
     try:
         # Fake tensors as well as meta ones: models skip data-dependent checks on them as while torch traces.
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake, FlopCounterMode(display=False) as counter:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake, FlopCounterMode(display=False) as counter, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             output = meta(**tree_map(lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
                                      inputs))
     finally:
@@ -105,11 +127,18 @@ def _trace(model: nn.Module, inputs: dict[str, Any]) -> tuple[_Call, Any]:
     for path, call in calls.items():
         key = f"{root_name}.{path}" if path else root_name
         call.flops = sum(counter.get_flop_counts().get(key, {}).values())
-        call.params = sum(p.numel() for p in meta.get_submodule(path).parameters())
+        module = meta.get_submodule(path)
+        call.tensors = tuple(p.numel() for p in module.parameters())
+        call.params = sum(call.tensors)
+        call.saved_bytes = sum(own_saved[name] for name in paths.values()
+                               if name == path or name.startswith(f"{path}.") or not path)
     return calls[""], output
 
 
-def _units(root: _Call, stages: int) -> list[_Call]:
+_trace = trace_calls  # the name bench/graph_cut.py reads the call tree by
+
+
+def cut_units(root: Call, stages: int) -> list[Call]:
     """The root's called children, each split into its own while it costs too much to be placed whole."""
     total_flops, total_params = max(root.flops, 1), max(root.params, 1)
     units = list(root.children) or [root]
@@ -123,7 +152,7 @@ def _units(root: _Call, stages: int) -> list[_Call]:
         units[at:at + 1] = unit.children
 
 
-def _placements(model: nn.Module, units: list[_Call], auto_partition: bool,
+def _placements(model: nn.Module, units: list[Call], auto_partition: bool,
                 default_partition: int) -> Optional[list[Optional[int]]]:
     """Each unit's partition when any module is placed by hand (its own or its nearest placed ancestor's)."""
     found = []
@@ -139,26 +168,32 @@ def _placements(model: nn.Module, units: list[_Call], auto_partition: bool,
 def cut_graph(model: nn.Module, inputs: dict[str, Any], stages: int, memory_weight: float,
               auto_partition: bool = True, default_partition: int = 0) -> GraphCut:
     """Where to cut `model` into `stages` (see module docstring); `inputs` is one microbatch, by name."""
-    root, output = captured(model, "trace", lambda: _trace(model, inputs))
-    units = _units(root, stages)
+    root, output = captured(model, "trace", lambda: trace_calls(model, inputs))
+    units = cut_units(root, stages)
     if len(units) < stages:
         raise ValueError(f"pipeline parallelism cuts {type(model).__name__} at module boundaries, but its forward "
                          f"calls only {len(units)} modules that can start a stage, fewer than the {stages} stages; "
                          "use a smaller pipeline_parallel_degree")
-    flops, params = max(sum(u.flops for u in units), 1), max(sum(u.params for u in units), 1)
-    costs = [(1 - memory_weight) * u.flops / flops + memory_weight * u.params / params for u in units]
     fixed = _placements(model, units, auto_partition, default_partition)
     if fixed is not None:
         _check_placements(units, fixed, stages)
-    sizes = min_max_split(costs, stages, 0, 0, fixed or [None] * len(units))
-    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
+    costs, stage_of = split_units(units, stages, memory_weight, fixed)
     starts = [i for i in range(1, len(units)) if stage_of[i] != stage_of[i - 1]]
     leaves, spec = tree_flatten(output)
     return GraphCut(tuple(units[i].path for i in starts), tuple(u.path for u in units), tuple(stage_of),
                     tuple(costs), spec, tuple(TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves))
 
 
-def _check_placements(units: list[_Call], fixed: list[Optional[int]], stages: int) -> None:
+def split_units(units: list[Call], stages: int, memory_weight: float,
+                fixed: Optional[list[Optional[int]]] = None) -> tuple[list[float], list[int]]:
+    """Each unit's cost and stage: contiguous runs minimising the costliest stage, `fixed` units kept on theirs."""
+    flops, params = max(sum(u.flops for u in units), 1), max(sum(u.params for u in units), 1)
+    costs = [(1 - memory_weight) * u.flops / flops + memory_weight * u.params / params for u in units]
+    sizes = min_max_split(costs, stages, 0, 0, fixed or [None] * len(units))
+    return costs, [s for s, size in enumerate(sizes) for _ in range(size)]
+
+
+def _check_placements(units: list[Call], fixed: list[Optional[int]], stages: int) -> None:
     placed = [(u.path, p) for u, p in zip(units, fixed) if p is not None]
     for (before, p), (after, q) in zip(placed, placed[1:]):
         if q < p:
