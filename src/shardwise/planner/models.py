@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -67,6 +69,8 @@ def _parse_overrides(text: str, source: str) -> dict[str, Any]:
 def _build_on_meta(target: str) -> tuple[Any, ModuleType]:
     """Import `module:function`, call it under the meta device; the model it builds and the module."""
     module_name, _, func_name = target.partition(":")
+    if os.getcwd() not in sys.path:  # as `python -m` does: the user's modules where the command runs
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
