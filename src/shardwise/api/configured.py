@@ -48,19 +48,13 @@ def _config(name: str):
 
 def configured_optimizer(model_or_params: Union[torch.nn.Module, Iterable[Any]]) -> DistributedOptimizer:
     """The config's `optimizer` over a DistributedModel's parameters (or given ones), wrapped in a
-    DistributedOptimizer with the config's fp16 loss scaling (`loss_scale`, `dynamic_loss_args`)."""
+    DistributedOptimizer (which takes the config's fp16 loss scaling, `loss_scale` or `dynamic_loss_args`)."""
     config = _config("configured_optimizer")
     if config.optimizer is None:
         raise ValueError("sw.configured_optimizer: the config has no optimizer block; fix: add e.g. "
                          '"optimizer": {"type": "AdamW", "params": {"lr": 0.001}} to the config')
     params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
-    scaling: dict[str, Any] = {}
-    if config.loss_scale:
-        scaling["static_loss_scale"] = config.loss_scale
-    elif config.dynamic_loss_args is not None:
-        scaling = {"dynamic_loss_scale": True,
-                   "dynamic_loss_args": config.dynamic_loss_args.model_dump(exclude_none=True)}
-    return DistributedOptimizer(_torch_optimizer(config.optimizer, params), **scaling)
+    return DistributedOptimizer(_torch_optimizer(config.optimizer, params))
 
 
 def configured_scheduler(optimizer: torch.optim.Optimizer) -> LRScheduler:

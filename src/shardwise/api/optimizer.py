@@ -95,6 +95,16 @@ def _given(static_loss_scale: Optional[float], dynamic_loss_scale: bool,
     return [name for name, changed in away.items() if changed]
 
 
+def _configured_loss_scaling(config: Any) -> dict[str, Any]:
+    """The config's `loss_scale` / `dynamic_loss_args` (DeepSpeed's fp16 section) as SMP's arguments."""
+    if config.loss_scale:
+        return {"static_loss_scale": config.loss_scale}
+    if config.dynamic_loss_args is not None:
+        return {"dynamic_loss_scale": True,
+                "dynamic_loss_args": config.dynamic_loss_args.model_dump(exclude_none=True)}
+    return {}
+
+
 def _delegated(name: str) -> Callable[..., Any]:
     def call(self: DistributedOptimizer, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.optimizer, name)(*args, **kwargs)
@@ -130,8 +140,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     dynamically by `dynamic_loss_args` (init_scale 2**32, scale_factor 2,
     scale_window 1000, min_scale 1, delayed_shift 1, consecutive_hysteresis False
     unless given, as a dict or as keywords); a `static_loss_scale` other than 1.0
-    keeps that scale fixed (an overflow still skips its step on every rank). SMP's
-    defaults mean no scaling at all; shardwise keeps torch's dynamic scaling then.
+    keeps that scale fixed (an overflow still skips its step on every rank). A
+    script that leaves all three at SMP's defaults gets the config's `loss_scale`
+    or `dynamic_loss_args` (DeepSpeed's fp16 section), as `sw.configured_optimizer`
+    does; with neither, shardwise keeps torch's dynamic scaling.
 
     SMP's FP16_Optimizer members its scripts call: `clip_master_grads` (the next
     step clips), `overflow` (the last step was skipped) and `_global_grad_norm`.
@@ -150,8 +162,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
         loss_args = {**(dynamic_loss_args or {}), **more_dynamic_loss_args}
-        rule, ignored = _loss_scaling(static_loss_scale, dynamic_loss_scale, loss_args)
+        given = _given(static_loss_scale, dynamic_loss_scale, loss_args)
         runtime = current("shardwise.DistributedOptimizer")
+        scaling = {"static_loss_scale": static_loss_scale, "dynamic_loss_scale": dynamic_loss_scale,
+                   "dynamic_loss_args": loss_args}
+        configured = _configured_loss_scaling(runtime.config)
+        if not given:  # the config's fp16 loss scale (DeepSpeed's fp16 section), as sw.configured_optimizer's
+            scaling.update(configured)
+        rule, ignored = _loss_scaling(**scaling)
+        if given and configured:
+            key = "loss_scale" if runtime.config.loss_scale else "dynamic_loss_args"
+            ignored.append((key, f"the script's DistributedOptimizer arguments ({', '.join(given)}) replace it"))
         self._runtime = runtime
         self._model = _owner(optimizer, list(runtime.models))
         # Built before the model, the optimizer holds the user's parameters: swap in the model's, before ZeRO-1
@@ -160,7 +181,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                dict(self._model.named_parameters(remove_duplicate=False)))
         scaler = self._model.loss_scaler
         if scaler is None:
-            ignored = [(name, "needs fp16") for name in _given(static_loss_scale, dynamic_loss_scale, loss_args)]
+            ignored = [(name, "needs fp16") for name in given]  # the config's keys: init named them
         elif rule is not None:
             scaler.configure(rule)  # before binding: a refused rule leaves the model as it was
         self._update = self._model.bind_optimizer(optimizer)

@@ -74,6 +74,10 @@ def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
                                            "smaller than the data-parallel degree, pipeline_parallel_degree 1")
     if c.fp16 and changed(c, "non_finite_gradients"):
         yield "non_finite_gradients", "fp16's loss scaler skips every step with inf/nan gradients and lowers the scale"
+    if not c.fp16:
+        yield from ((key, "needs fp16") for key in ("loss_scale", "dynamic_loss_args") if changed(c, key))
+    elif c.loss_scale and c.dynamic_loss_args is not None:
+        yield "dynamic_loss_args", "loss_scale > 0 keeps the scale fixed"
     if c.non_finite_gradients != "stop" and changed(c, "non_finite_stop_after"):
         yield "non_finite_stop_after", "needs non_finite_gradients: stop"
     # SMP's default "memory" is named only when given: it is what SMP's own split layers did by default.
@@ -81,6 +85,21 @@ def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
     if c.tensor_parallel_degree > 1 and given and c.optimize == "memory" and not c.sequence_parallel:
         yield "optimize", ("tensor-parallel ranks keep whole activations between split layers; sequence_parallel "
                            "shards them")
+
+
+# What the metrics recorder does only on recorded steps (observe/), or only with another key.
+RECORDING_KEYS = ("metrics_sinks", "metrics_dir", "wall_clock_breakdown", "comms_logger", "flops_profiler",
+                  "peak_tflops", "progress_bar", "wandb_project")
+
+
+def _metrics(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
+    if c.metrics_interval == 0:
+        yield from ((key, "needs metrics_interval >= 1") for key in RECORDING_KEYS if changed(c, key))
+        return
+    if c.peak_tflops is not None and not c.flops_profiler:
+        yield "peak_tflops", "MFU needs flops_profiler"
+    if c.wandb_project is not None and "wandb" not in c.metrics_sinks:
+        yield "wandb_project", "needs wandb in metrics_sinks"
 
 
 def _smp(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:

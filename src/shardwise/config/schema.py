@@ -165,7 +165,7 @@ class ShardwiseConfig(SmpOnlySettings):
         1, ge=0, description="Record metrics every N optimizer steps (0: off). Cheap ones (loss, step time, "
         "throughput, lr, grad norm, loss scale, skipped steps, memory) always; the costly ones by their own keys.")
     metrics_sinks: list[Literal["csv", "tensorboard", "wandb"]] = Field(
-        default_factory=list, description="Where rank 0 writes the global metrics besides global.jsonl: "
+        [], description="Where rank 0 writes the global metrics besides global.jsonl: "
         "metrics.csv, TensorBoard event files under <metrics dir>/tensorboard, Weights & Biases (when installed).")
     metrics_dir: Optional[str] = Field(
         None, description="Directory of the metrics files. Unset: <run dir>/metrics under shardwise run, else no "

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import shardwise as sw
+from shardwise.observe import metrics
+from shardwise.observe.progress import progress
 
 VOCAB = 256
 
@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank per step")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (at most 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--log-every", type=int, default=5, help="print progress every N steps")
+    p.add_argument("--log-every", type=int, default=5, help="without a terminal, a progress line every N steps")
     args = p.parse_args()
     if not 2 <= args.seq_len <= 64:
         p.error(f"--seq-len {args.seq_len} must be in 2..64 (the model has 64 positions)")
@@ -75,27 +75,23 @@ def main() -> None:
         return out.loss
 
     dataset = successor_dataset(args.steps * args.batch_size * sw.dp_size(), args.seq_len)
-    tokens_per_step = args.batch_size * args.seq_len * sw.dp_size()
-    losses, times = [], []
+    progress(args.steps, every=args.log_every)  # rank 0: step, loss, step time, throughput, ETA
+    losses, records = [], []
     for step, (input_ids, labels) in enumerate(sw.data_loader(dataset, batch_size=args.batch_size), start=1):
-        start = time.perf_counter()
         optimizer.zero_grad()
-        loss = train_step(model, input_ids, labels).reduce_mean()
+        train_step(model, input_ids, labels).reduce_mean()
         optimizer.step()
-        times.append(time.perf_counter() - start)
+        records.append(metrics.latest())  # every step is recorded (metrics_interval 1)
         if step == 1 or step % args.log_every == 0 or step == args.steps:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=sw.get_dp_process_group())  # mean over replicas
-            losses.append(loss.item())
-            if sw.rank() == 0:
-                print(f"step {step:4d}/{args.steps}  loss {losses[-1]:.3f}  step {times[-1] * 1e3:5.0f} ms",
-                      flush=True)
+            losses.append(records[-1]["loss"])  # rank 0's, as its progress lines show
 
     if sw.rank() == 0:
-        steady = times[1:] or times  # the first step pays for warm-up
-        mean = sum(steady) / len(steady)
+        steady = records[1:] or records  # the first step pays for warm-up
+        mean = sum(r["step_time_s"] for r in steady) / len(steady)
+        tokens = sum(r["tokens_per_s"] for r in steady) / len(steady)
         print(f"done: {args.steps} steps on {sw.size()} ranks (dp {sw.dp_size()}); loss {losses[0]:.3f} → "
               f"{losses[-1]:.3f} (ln {VOCAB} = {math.log(VOCAB):.2f}); mean step {mean * 1e3:.0f} ms; "
-              f"{tokens_per_step / mean:,.0f} tokens/s", flush=True)
+              f"{tokens:,.0f} tokens/s", flush=True)
     sw.shutdown()
 
 

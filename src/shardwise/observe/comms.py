@@ -93,10 +93,13 @@ class CollectiveWatch(TorchDispatchMode):
         self.idle_gaps: list[tuple[float, float]] = []
         self._in_flight: list[Collective] = []  # not known to be complete when last looked at
         self._last_op_end: Optional[float] = None
+        self._polled: list[tuple[Collective, Any]] = []  # collectives whose Work has no future, and that Work
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         start = time.perf_counter()
+        if self._polled:
+            self._poll(start)
         if self.track_idle:
             self._note_gap(start)
         out = func(*args, **kwargs)
@@ -131,17 +134,29 @@ class CollectiveWatch(TorchDispatchMode):
         if self.track_idle:
             self._in_flight.append(collective)
         work = out[-1] if isinstance(out, tuple) else out
-        if isinstance(work, torch.ScriptObject) and "Work" in str(work._type()):
+        if not (isinstance(work, torch.ScriptObject) and "Work" in str(work._type())):
+            collective.done = issued  # a functional collective's tensor: its time is not seen here
+            return
+        work = dist.distributed_c10d.Work.unbox(work)
+        try:
             # Runs on the backend's thread when the collective completes.
-            dist.distributed_c10d.Work.unbox(work).get_future().then(
-                lambda _: setattr(collective, "done", time.perf_counter()))
-        else:  # a functional collective's tensor: its time is not seen here
-            collective.done = issued
+            work.get_future().then(lambda _: setattr(collective, "done", time.perf_counter()))
+        except RuntimeError:  # some of gloo's works have no future: polled at every op instead
+            self._polled.append((collective, work))
+
+    def _poll(self, now: float) -> None:
+        for collective, work in self._polled:
+            if work.is_completed():
+                collective.done = now
+        self._polled = [(c, work) for c, work in self._polled if c.done is None]
 
     def close(self) -> None:
         """The gap from the last op to now counts too (a step may end waiting)."""
+        now = time.perf_counter()
+        if self._polled:
+            self._poll(now)
         if self.track_idle:
-            self._note_gap(time.perf_counter())
+            self._note_gap(now)
             self._last_op_end = None
 
     def exposed_intervals(self, now: float) -> list[tuple[float, float]]:

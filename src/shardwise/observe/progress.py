@@ -1,6 +1,7 @@
 """A progress display on rank 0, fed the global record of every recorded step: step, loss, step time,
 throughput, ETA. A rich progress bar on a terminal; plain lines elsewhere (a log file, `shardwise run`'s
-per-rank stdout), about twenty over a run of known length."""
+per-rank stdout): the first step, every `every`-th (default: about twenty over a run of known length) and
+the last."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 def _fields(record: dict[str, Any]) -> str:
     parts = []
     if record.get("loss") is not None:
-        parts.append(f"loss {record['loss']:.4f}")
+        parts.append(f"loss {record['loss']:.3f}")
     parts.append(f"step {record['step_time_s'] * 1e3:.0f} ms")
     rate = record.get("tokens_per_s")
     parts.append(f"{rate:,.0f} tokens/s" if rate is not None else f"{record['samples_per_s']:,.1f} samples/s")
@@ -24,7 +25,7 @@ def _fields(record: dict[str, Any]) -> str:
 class ProgressDisplay:
     """Shows the records of a run of `total` steps (None: unknown)."""
 
-    def __init__(self, total: Optional[int], stream: Any = None):
+    def __init__(self, total: Optional[int], every: Optional[int] = None, stream: Any = None):
         self.total = total
         self.stream = stream or sys.stdout
         self.started = time.monotonic()
@@ -34,12 +35,14 @@ class ProgressDisplay:
                                 TimeRemainingColumn())
             self.task = self.bar.add_task("train", total=total, info="")
             self.bar.start()
-        self.every = max(1, (total or 0) // 20)
+        self.every = every or max(1, (total or 0) // 20)
 
     def write(self, record: dict[str, Any]) -> None:
         step = record["step"]
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=_fields(record))
+            if self.total is not None and step >= self.total:
+                self.bar.stop()  # the run's last step: leave the finished bar on the screen
             return
         if step == 1 or step % self.every == 0 or step == self.total:
             print(f"step {step}{f'/{self.total}' if self.total else ''}  {_fields(record)}{self._eta(step)}",
@@ -56,9 +59,10 @@ class ProgressDisplay:
             self.bar.stop()
 
 
-def progress(total_steps: Optional[int] = None) -> None:
+def progress(total_steps: Optional[int] = None, every: Optional[int] = None) -> None:
     """Show a progress display on rank 0 over a run of `total_steps` optimizer steps (the `progress_bar` key
-    does the same with an unknown total). Shows recorded steps: every step with metrics_interval 1."""
+    does the same with an unknown total); without a terminal, a line every `every` steps. It shows recorded
+    steps: every step with metrics_interval 1."""
     from ..runtime.state import current
     from .recorder import recorder_for
 
@@ -66,5 +70,8 @@ def progress(total_steps: Optional[int] = None) -> None:
                                     or total_steps < 1):
         raise ValueError(f"sw.progress(total_steps={total_steps!r}): give the number of optimizer steps, e.g. "
                          "sw.progress(1000), or None when unknown")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"sw.progress(every={every!r}): give a number of steps >= 1 between plain lines, or None")
     runtime = current("shardwise.progress()")
-    recorder_for(runtime).show_progress(total_steps, runtime.rank)
+    if runtime.rank == 0:
+        recorder_for(runtime).show_progress(ProgressDisplay(total_steps, every))

@@ -83,11 +83,11 @@ class Recorder:
         """The step under way is recorded."""
         return self.interval > 0 and (self.steps + 1) % self.interval == 0
 
-    def show_progress(self, total: Optional[int], rank: int) -> None:
-        if rank == 0:
-            if self.progress is not None:
-                self.progress.close()
-            self.progress = ProgressDisplay(total)
+    def show_progress(self, display: ProgressDisplay) -> None:
+        """Show the records on `display` (rank 0's), in place of the one `progress_bar` made."""
+        if self.progress is not None:
+            self.progress.close()
+        self.progress = display
 
     def _now(self, device: torch.device) -> float:
         return device_now(device, self.breakdown and self.recording)
