@@ -2,8 +2,11 @@
 
 - Seed 003's DeepSpeed configs (bf16 for fp16 on CPU) train TinyStack in a 2-rank world to the same losses
   as the equivalent shardwise config with a hand-built torch optimizer and schedule;
-- an inconsistent batch triple is one ConfigError naming train_batch_size with the arithmetic, found
-  where the data-parallel degree is known (run, init, check-config);
+- the batch triple's missing value is worked out where the data-parallel degree is known (run, init,
+  check-config), as DeepSpeed does; an inconsistent or indivisible one is one ConfigError naming
+  train_batch_size with the arithmetic;
+- the fp16 loss-scale keys set the scaler of a hand-built sw.DistributedOptimizer (its own arguments win),
+  and are named as without effect without fp16;
 - every key the translation cannot honour is listed (check-config's section, a warning at run);
 - the schedules give DeepSpeed's learning rates after k steps.
 """
@@ -21,9 +24,10 @@ import shardwise as sw
 from shardwise.api.configured import (build_scheduler, configured_batch_size, configured_optimizer,
                                       configured_scheduler)
 from shardwise.cli import main
-from shardwise.config import ConfigError, IneffectiveSettingsWarning, load_dict
+from shardwise.config import ConfigError, IneffectiveSettingsWarning, ineffective_settings, load_dict, parse_config
 from shardwise.config.deepspeed import is_deepspeed, translate
 from shardwise.config.schema import SchedulerBlock
+from shardwise.parallel.precision import ScalingRule
 from shardwise.runtime import state
 from shardwise.testing import run_distributed
 from shardwise.topology import Cluster
@@ -103,16 +107,114 @@ def test_seed_configs_train_as_their_shardwise_equivalents():
         assert example["losses"][-1] < example["losses"][0]  # it trains: the schedule's lr is not 0 there
 
 
-def test_inconsistent_batch_triple_shows_the_arithmetic():
-    config = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+# DeepSpeed's config -> (train_batch_size, train_micro_batch_size_per_gpu, microbatches) on 2 data-parallel ranks.
+WORKED_OUT = {
+    "accumulation": ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, (32, 4, 4)),
+    "micro batch": ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, (32, 8, 2)),
+    "total": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, (16, 4, 2)),
+    "total alone": ({"train_batch_size": 32}, (32, 16, 1)),
+    "micro alone": ({"train_micro_batch_size_per_gpu": 4}, (8, 4, 1)),
+    "all three": ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+                  (16, 4, 2)),
+}
+
+
+@pytest.mark.parametrize("case", WORKED_OUT)
+def test_batch_triple_missing_value_is_worked_out(case):
+    given, want = WORKED_OUT[case]
+    config, _ = validate(load_dict(given), Cluster(1, 2))
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.microbatches) == want
+    # still the user's keys alone, as the run directory records them: each rank works them out for its own world
+    assert config.model_dump(exclude_unset=True) == load_dict(given)
+
+
+# DeepSpeed's config on 2 data-parallel ranks -> the problem (path=value: rule; fix).
+BATCH_ERRORS = {
+    "inconsistent": ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+                     "train_batch_size=32: train_batch_size 32 != micro 4 x gradient_accumulation_steps 2 x "
+                     "data-parallel ranks 2 = 16; fix: set train_batch_size to 16"),
+    "micro batch": ({"train_batch_size": 30, "gradient_accumulation_steps": 2},
+                    "train_batch_size=30: train_batch_size 30 is not divisible by gradient_accumulation_steps 2 x "
+                    "data-parallel ranks 2 = 4; fix: use a multiple of 4, or change gradient_accumulation_steps"),
+    "accumulation": ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+                     "train_batch_size=30: train_batch_size 30 is not divisible by train_micro_batch_size_per_gpu 4 "
+                     "x data-parallel ranks 2 = 8; fix: use a multiple of 8, or change train_micro_batch_size_per_gpu"),
+    "total alone": ({"train_batch_size": 31},
+                    "train_batch_size=31: train_batch_size 31 is not divisible by gradient_accumulation_steps 1 x "
+                    "data-parallel ranks 2 = 2; fix: use a multiple of 2"),
+}
+
+
+@pytest.mark.parametrize("case", BATCH_ERRORS)
+def test_batch_triple_that_does_not_divide_shows_the_arithmetic(case):
+    given, message = BATCH_ERRORS[case]
     with pytest.raises(ConfigError) as error:
-        validate(load_dict(config), Cluster(1, 2))
-    assert ("train_batch_size=32: train_batch_size 32 != micro 4 x gradient_accumulation_steps 2 x "
-            "data-parallel ranks 2 = 16; fix: set train_batch_size to 16") in str(error.value)
-    validate(load_dict(config), Cluster(1, 4))  # 4 x 2 x 4 = 32
-    with pytest.raises(ConfigError, match="train_batch_size 30 is not divisible by gradient_accumulation_steps 2 x "
-                                          "data-parallel ranks 2 = 4"):
-        validate(load_dict({"train_batch_size": 30, "gradient_accumulation_steps": 2}), Cluster(1, 2))
+        validate(load_dict(given), Cluster(1, 2))
+    assert message in str(error.value)
+
+
+def test_worked_out_accumulation_meets_the_pipeline_rules():
+    config = {"train_batch_size": 20, "train_micro_batch_size_per_gpu": 2, "pipeline_parallel_degree": 2,
+              "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2}  # 20 / (2 x 2 dp ranks) = 5 microbatches
+    with pytest.raises(ConfigError, match="microbatches=5: interleaved_1f1b runs microbatches in rounds of "
+                                          "pipeline_parallel_degree"):
+        validate(load_dict(config), Cluster(1, 4))
+    assert validate(load_dict({**config, "train_batch_size": 16}), Cluster(1, 4))[0].microbatches == 4
+
+
+def loss_scales(cases: list) -> list[dict]:
+    """For each (config, DistributedOptimizer arguments): the loss scaler's rule and its scale after each of
+    STEPS fp16 steps of TinyStack, the world's @step batch and microbatches, and the notes the optimizer gave."""
+    results = []
+    for config, args in cases:
+        sw.init(config)
+        try:
+            model = sw.DistributedModel(build("stack"))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                optimizer = sw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), **args)
+            batch = configured_batch_size()
+            data, train_step, scales = dataset("stack", STEPS * batch * sw.dp_size()), seed_step("stack"), []
+            for step in range(STEPS):
+                first = (step * sw.dp_size() + sw.dp_rank()) * batch
+                optimizer.zero_grad()
+                train_step(model, *data[first:first + batch])
+                optimizer.step()
+                scales.append(optimizer.loss_scale)
+            results.append({"rule": model.loss_scaler.rule, "scales": scales, "batch": batch,
+                            "microbatches": state.current().config.microbatches,
+                            "notes": [str(w.message) for w in caught
+                                      if issubclass(w.category, IneffectiveSettingsWarning)]})
+        finally:
+            state.set_current(None)
+    return results
+
+
+def test_fp16_loss_scale_keys_set_a_hand_built_distributed_optimizer():
+    dynamic = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+               "fp16": {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2}}
+    static = {"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": 128}}
+    own_args = {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 64}}
+    ranks = run_distributed(loss_scales, WORLD, [(dynamic, {}), (static, {}), (static, own_args)], timeout=240)
+    for from_dynamic, from_static, own in ranks:
+        # DeepSpeed's defaults for the keys unset: hysteresis 2, min_loss_scale 1; growth after 2 finite steps
+        assert from_dynamic["rule"] == ScalingRule(init_scale=1024.0, growth_interval=2, min_scale=1.0, hysteresis=2)
+        assert from_dynamic["scales"] == [1024.0, 2048.0, 2048.0, 4096.0]
+        assert (from_dynamic["batch"], from_dynamic["microbatches"]) == (4, 2)  # 8 = 2 x 2 worked out x 2 ranks
+        assert from_static["scales"] == [128.0] * STEPS and from_static["rule"].static and not from_static["notes"]
+        assert own["rule"].init_scale == 64.0 and not own["rule"].static  # the script's own arguments win
+    assert ranks[0][2]["notes"] == ["these settings have no effect in this layout: loss_scale (the script's "
+                                    "DistributedOptimizer arguments (dynamic_loss_scale, dynamic_loss_args) replace "
+                                    "it); fix: remove them, or set what they need"]
+
+
+def test_loss_scale_keys_without_fp16_are_named():
+    config = {"loss_scale": 128, "dynamic_loss_args": {"scale_window": 2}}
+    assert ineffective_settings(parse_config(config)) == [("loss_scale", "needs fp16"),
+                                                          ("dynamic_loss_args", "needs fp16")]
+    assert ineffective_settings(parse_config({**config, "fp16": True})) == [
+        ("dynamic_loss_args", "loss_scale > 0 keeps the scale fixed")]
+    assert ineffective_settings(parse_config({"fp16": True, "dynamic_loss_args": {"scale_window": 2}})) == []
 
 
 # Each key seed 003 shows that shardwise cannot honour, as it is written there.

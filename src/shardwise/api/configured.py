@@ -74,16 +74,13 @@ def build_scheduler(block: SchedulerBlock, optimizer: torch.optim.Optimizer) -> 
 
 
 def configured_batch_size() -> int:
-    """Each data-parallel rank's @step batch: train_micro_batch_size_per_gpu x microbatches, or
-    train_batch_size / data-parallel ranks (`init` checked that they agree)."""
-    runtime = current("shardwise.configured_batch_size")
-    config = runtime.config
-    if config.train_micro_batch_size_per_gpu is not None:
-        return config.train_micro_batch_size_per_gpu * config.microbatches
-    if config.train_batch_size is None:
+    """Each data-parallel rank's @step batch: train_micro_batch_size_per_gpu x microbatches (`init` worked out
+    the one of DeepSpeed's batch triple left unset)."""
+    config = _config("configured_batch_size")
+    if config.train_micro_batch_size_per_gpu is None:
         raise ValueError("sw.configured_batch_size: the config sets neither train_batch_size nor "
                          "train_micro_batch_size_per_gpu; fix: set one of them")
-    return config.train_batch_size // runtime.layout.dp
+    return config.train_micro_batch_size_per_gpu * config.microbatches
 
 
 class _DeepSpeedSchedule(LRScheduler):

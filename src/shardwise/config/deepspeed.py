@@ -6,8 +6,8 @@
 Each DeepSpeed key becomes the shardwise key that does the same, or is listed
 with why it cannot be honoured (a warning at run, a section in check-config):
 never dropped unsaid. A key whose value is what shardwise always does (ZeRO's
-`overlap_comm: true`) is honoured as it is. The batch triple is checked where
-the data-parallel degree is known (`validate.batch_problems`). Pure: no torch.
+`overlap_comm: true`) is honoured as it is. The batch triple is completed and
+checked where the data-parallel degree is known (`validate.batch_triple`). Pure: no torch.
 """
 
 from __future__ import annotations

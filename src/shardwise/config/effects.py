@@ -117,7 +117,7 @@ def _smp(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
 
 def ineffective_settings(config: ShardwiseConfig) -> list[tuple[str, str]]:
     """(key, what it needs) for every key set away from its default that has no effect here."""
-    return [*_pipeline(config), *_others(config), *_smp(config)]
+    return [*_pipeline(config), *_others(config), *_metrics(config), *_smp(config)]
 
 
 def ineffective_notice(config: ShardwiseConfig) -> Optional[str]:

@@ -89,22 +89,40 @@ def _block_problems(c: ShardwiseConfig) -> Iterable[Problem]:
                 yield Problem(f"{key}.params.{name}", value, f"is not a parameter of {block.type}", hint)
 
 
-def batch_problems(c: ShardwiseConfig, dp: int) -> list[Problem]:
-    """DeepSpeed's rule train_batch_size = micro batch x gradient accumulation (microbatches) x data-parallel
-    ranks, checked once the data-parallel degree is known."""
+def _indivisible(total: int, key: str, factor: int, dp: int) -> Problem:
+    return Problem("train_batch_size", total, f"train_batch_size {total} is not divisible by {key} {factor} x "
+                   f"data-parallel ranks {dp} = {factor * dp}", f"use a multiple of {factor * dp}, or change {key}")
+
+
+def _worked_out(c: ShardwiseConfig, **values: int) -> ShardwiseConfig:
+    """`c` with `values` worked out from its own keys, still counted as unset: the run directory records the
+    user's keys, and each rank works them out again for its own data-parallel degree."""
+    return ShardwiseConfig.model_construct(_fields_set=c.model_fields_set, **{**dict(c), **values})
+
+
+def batch_triple(c: ShardwiseConfig, dp: int) -> tuple[ShardwiseConfig, list[Problem]]:
+    """DeepSpeed's rule train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps
+    (microbatches) x data-parallel ranks, once `dp` is known: the config with the value left out worked out from
+    the other two as DeepSpeed does (the micro batch from train_batch_size alone, with accumulation 1), or the
+    problem when they do not agree."""
     total, micro, steps = c.train_batch_size, c.train_micro_batch_size_per_gpu, c.microbatches
     if total is None:
-        return []
-    if micro is not None and total != micro * steps * dp:
-        return [Problem("train_batch_size", total, f"train_batch_size {total} != micro {micro} x "
-                        f"gradient_accumulation_steps {steps} x data-parallel ranks {dp} = {micro * steps * dp}",
-                        f"set train_batch_size to {micro * steps * dp}, or change the micro batch or "
-                        "gradient_accumulation_steps (microbatches) so the product is it")]
-    if total % (steps * dp):
-        return [Problem("train_batch_size", total, f"train_batch_size {total} is not divisible by "
-                        f"gradient_accumulation_steps {steps} x data-parallel ranks {dp} = {steps * dp}",
-                        f"use a multiple of {steps * dp}")]
-    return []
+        return (c, []) if micro is None else (_worked_out(c, train_batch_size=micro * steps * dp), [])
+    if micro is None:
+        if total % (steps * dp):
+            return c, [_indivisible(total, "gradient_accumulation_steps", steps, dp)]
+        return _worked_out(c, train_micro_batch_size_per_gpu=total // (steps * dp)), []
+    if "microbatches" not in c.model_fields_set:
+        if total % (micro * dp):
+            return c, [_indivisible(total, "train_micro_batch_size_per_gpu", micro, dp)]
+        worked_out = _worked_out(c, microbatches=total // (micro * dp))
+        return worked_out, list(pipeline_problems(worked_out))  # a pipeline runs them in rounds
+    if total != micro * steps * dp:
+        return c, [Problem("train_batch_size", total, f"train_batch_size {total} != micro {micro} x "
+                           f"gradient_accumulation_steps {steps} x data-parallel ranks {dp} = {micro * steps * dp}",
+                           f"set train_batch_size to {micro * steps * dp}, or change the micro batch or "
+                           "gradient_accumulation_steps (microbatches) so the product is it")]
+    return c, []
 
 
 def config_problems(data: Mapping[str, Any]) -> tuple[ShardwiseConfig, list[Problem]]:

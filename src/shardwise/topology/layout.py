@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from ..config.errors import ConfigError, Problem
 from ..config.schema import ShardwiseConfig
-from ..config.validate import batch_problems, config_problems, unavailable_problems
+from ..config.validate import batch_triple, config_problems, unavailable_problems
 from .cluster import Cluster
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -160,7 +160,10 @@ def validate(data: Mapping[str, Any], cluster: Cluster, found: Iterable[Problem]
     config, problems = config_problems(data)
     problems = [*found, *problems, *unavailable_problems(config)]
     layout, more = layout_problems(config, cluster)
-    problems += more + (batch_problems(config, layout.dp) if layout else [])
+    problems += more
+    if layout:  # DeepSpeed's batch sizes need the data-parallel degree
+        config, batch = batch_triple(config, layout.dp)
+        problems += batch
     if problems:
         raise ConfigError(problems)
     return config, layout
