@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
+from ..runtime.hang_report import group_timeout
 from ..runtime.state import Runtime, current, is_initialized
 from .directory import CheckpointError
 
@@ -23,7 +24,7 @@ def checkpoint_group(runtime: Runtime) -> dist.ProcessGroup:
     """A gloo group over the whole world, made by the first checkpoint call (collective, as every one is):
     a background save talks over it while training uses the others, and gloo works on every device."""
     if runtime.checkpoint_group is None:
-        runtime.checkpoint_group = dist.new_group(backend="gloo")
+        runtime.checkpoint_group = dist.new_group(backend="gloo", timeout=group_timeout())
     return runtime.checkpoint_group
 
 

@@ -6,6 +6,7 @@
         logs/rank<R>/stdout.log  rank R's stdout (global rank, so nodes sharing a disk never collide)
         logs/rank<R>/stderr.log  rank R's stderr
         logs/rank<R>/error.json  structured error, when the script uses torch's @record
+        logs/rank<R>/preempted.json  the checkpoint the rank saved on SIGTERM (checkpoint_dir)
         logs/agent-node<K>.log   warnings of torch's elastic agent on node K
         logs/attempt<N>/…        the same per-rank files for restart N (--max-restarts)
 
@@ -25,6 +26,10 @@ from typing import Any, Optional
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Std
 
 RUN_DIR_ENV = "SHARDWISE_RUN_DIR"
+# A rank that saved a checkpoint on SIGTERM writes this record beside its logs and exits with this code
+# (EX_TEMPFAIL, "try again later"), which `shardwise run` returns too.
+PREEMPTED_RECORD = "preempted.json"
+PREEMPTED_EXIT_CODE = 75
 
 
 def default_run_dir(script: Path, root: Path = Path("runs")) -> Path:
@@ -62,6 +67,9 @@ class RunDir:
     def error_file(self, rank: int, attempt: int = 0) -> Path:
         return self.rank_dir(rank, attempt) / "error.json"
 
+    def preempted(self, rank: int, attempt: int = 0) -> Path:
+        return self.rank_dir(rank, attempt) / PREEMPTED_RECORD
+
     def agent_log(self, node_rank: int) -> Path:
         return self.logs / f"agent-node{node_rank}.log"
 
@@ -87,6 +95,15 @@ class RunDir:
         return path
 
 
+def rank_log_dir(rank: int) -> Optional[Path]:
+    """This rank's log directory in the current attempt, for files a rank writes beside its logs (a hang report,
+    a preemption record); None when the process was not started by `shardwise run`."""
+    if RUN_DIR_ENV not in os.environ:
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return RunDir(Path(os.environ[RUN_DIR_ENV])).rank_dir(rank, attempt)
+
+
 class RankLogsSpecs(LogsSpecs):
     """torchrun's log redirection with shardwise's layout: every rank's stdout and stderr go to
     `logs/rank<R>/`, and the ranks in `console_local_ranks` are also echoed (tee) to the console."""
@@ -96,6 +113,7 @@ class RankLogsSpecs(LogsSpecs):
         super().__init__(log_dir=str(run_dir.logs), redirects=Std.ALL, tee=tee)
         self.run_dir = run_dir
         self.console_local_ranks = set(console_local_ranks or ())
+        self.attempts = 0  # attempts started so far: 1 + the restarts (--max-restarts)
 
     @property
     def root_log_dir(self) -> str:
@@ -106,6 +124,7 @@ class RankLogsSpecs(LogsSpecs):
         for local_rank, env in envs.items():
             rank = int(env.get("RANK", local_rank))
             attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+            self.attempts = max(self.attempts, attempt + 1)
             folder = self.run_dir.rank_dir(rank, attempt)
             if folder.exists():  # a reused --run-dir: never report a stale error file
                 shutil.rmtree(folder)

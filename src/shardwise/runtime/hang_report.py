@@ -20,14 +20,15 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..launcher.rundir import RUN_DIR_ENV, RunDir
+from ..launcher.rundir import rank_log_dir
 from ..torch_internals import flight_recorder_trace, process_groups, set_group_timeout
+from . import state
+from .launcher_store import attempt_key, connect, wait_for
 
 RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 RECORDER_SIZE = 64  # collectives each rank remembers
 RECENT = 8  # collectives each report lists
 ANSWER_SECONDS = 10.0  # how long the rank that timed out waits for the others to say how far they got
-WATCH = timedelta(days=365)  # the watch thread blocks in the store this long; it ends with the job's store
 
 
 def enable_flight_recorder() -> None:
@@ -41,17 +42,20 @@ def apply_timeout(seconds: float) -> None:
         set_group_timeout(group, timedelta(seconds=seconds))
 
 
+def group_timeout() -> Optional[timedelta]:
+    """The timeout for a group made after `init` (`new_group`'s default is torch's 30 minutes); None before
+    `init`, which sets the world's and the mesh's groups itself."""
+    if not state.is_initialized():
+        return None
+    return timedelta(seconds=state.current().config.collective_timeout_seconds)
+
+
 def _key(name: str) -> str:
-    """A store key of this launch attempt (a restart must not see the last attempt's hang)."""
-    return f"shardwise/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+    return attempt_key(f"hang/{name}")
 
 
 def _store() -> Optional[dist.TCPStore]:
-    """A connection of our own to the launcher's store; None without one (a one-process run, a test harness)."""
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        return None
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=ANSWER_SECONDS), wait_for_workers=False)
+    return connect(timedelta(seconds=ANSWER_SECONDS))
 
 
 def _describe(entry: dict[str, Any]) -> dict[str, Any]:
@@ -72,10 +76,10 @@ def _snapshot(rank: int) -> dict[str, Any]:
 
 def _write(rank: int, report: dict[str, Any]) -> Optional[Path]:
     """Write the report beside the rank's logs (`shardwise run`); None when there is no run directory."""
-    if RUN_DIR_ENV not in os.environ:
+    folder = rank_log_dir(rank)
+    if folder is None:
         return None
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    path = RunDir(Path(os.environ[RUN_DIR_ENV])).rank_dir(rank, attempt) / "hang.json"
+    path = folder / "hang.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return path
@@ -90,7 +94,7 @@ class HangWatch:
         self._previous_hook = sys.excepthook
         sys.excepthook = self._hook
         self._stopped = threading.Event()
-        threading.Thread(target=self._watch, name="shardwise-hang-watch", daemon=True).start()
+        threading.Thread(target=self._watch, name="shardwise-hang-watch").start()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -105,10 +109,8 @@ class HangWatch:
     def _watch(self) -> None:
         try:
             store = _store()
-            if store is not None:
-                store.wait([_key("hung")], WATCH)
-                if not self._stopped.is_set():
-                    self._answer(store, json.loads(store.get(_key("hung"))))
+            if store is not None and wait_for(store, _key("hung"), self._stopped):
+                self._answer(store, json.loads(store.get(_key("hung"))))
         except RuntimeError:  # torch's DistError included
             return  # the store is gone: the job is ending anyway
 
@@ -147,11 +149,11 @@ def _name(hung: dict[str, Any]) -> str:
 
 def is_collective_timeout(error: Optional[BaseException]) -> bool:
     """A collective that timed out, as gloo (`Timed out waiting`) and NCCL's watchdog (`timeout`) word it
-    (a store's timeout, at rendezvous say, is none)."""
+    (a store's timeout, at rendezvous say, and gloo's `timed out connecting` a new group are none)."""
     while error is not None:
         text = str(error).lower()
         collective = isinstance(error, RuntimeError) and not isinstance(error, dist.DistStoreError)
-        if collective and ("timed out" in text or "timeout" in text):
+        if collective and ("timed out" in text or "timeout" in text) and "timed out connecting" not in text:
             return True
         error = error.__cause__ or error.__context__
     return False

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..topology import AXES
+from .hang_report import group_timeout
 from .mesh import ParallelMesh
 from .state import Runtime, current
 
@@ -83,7 +84,7 @@ def _mp_process_group(runtime: Runtime) -> ProcessGroup:
     if runtime.mesh not in _made_mp_groups:
         # Only this group's members synchronise, so one model-parallel group can act while the others do not.
         _made_mp_groups[runtime.mesh] = dist.new_group(_members(runtime, "mp"), use_local_synchronization=True,
-                                                       group_desc="mp")
+                                                       group_desc="mp", timeout=group_timeout())
     return _made_mp_groups[runtime.mesh]
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ...runtime.hang_report import group_timeout
 from ...topology import Layout
 from ..local import local_tensor
 from ..tensor.rules import tied_parameters
@@ -89,7 +90,7 @@ class TiedWeights:
             owner = stage_ranks[group.stages[0]]
             for line in layout.groups("pp"):  # one line of pp ranks per (dp, tp) coordinate
                 members = [line[r] for r in holders]
-                handle = dist.new_group(members) if len(members) > 1 else None
+                handle = dist.new_group(members, timeout=group_timeout()) if len(members) > 1 else None
                 if rank in line:
                     group.group, group.source = handle, line[owner]
 
