@@ -10,8 +10,10 @@ import torch
 
 from ..checkpoint.contents import as_held
 from ..checkpoint.legacy import local_tensors
+from ..checkpoint.save import save_checkpoint
 from ..observe.recorder import recorder_for
 from ..parallel.precision import ScalingRule
+from ..runtime import preemption
 from ..runtime.init import warn_ineffective
 from ..runtime.non_finite import NonFiniteCheck
 from ..runtime.replica_check import check_replicas
@@ -256,6 +258,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             interval = self._runtime.config.replica_check_interval
             if interval is not None and self.steps % interval == 0:
                 check_replicas(self._model.named_parameters(), self._runtime.mesh, self._runtime.device, self.steps)
+        preemption.at_step_boundary(self._runtime, self.steps, lambda path, tag: save_checkpoint(
+            path, tag, model=self._model, optimizer=self))
         return result
 
     def _name_of(self, stepped: torch.Tensor) -> str:

@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "through torchrun's agent. Each rank's stdout and stderr go to <run-dir>/logs/rank<R>/; rank 0 "
                     "is echoed here. Exits with the first failing rank's exit code and shows its last log lines.")
     add_launch_flags(p)
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="the config's checkpoint_dir: where a preempted job (SIGTERM) saves, and where the script "
+                        "finds the newest complete checkpoint to resume from after a restart")
     p.add_argument("script", help="the training script (run as `python -u script ...` on every rank)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(handler=run)
@@ -90,4 +93,7 @@ def scheduler_shape(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    return launch_from_args(args, args.script, args.script_args, args.overrides)
+    overrides = list(args.overrides)
+    if args.checkpoint_dir is not None:  # absolute: the ranks and every relaunch find the same directory
+        overrides.append(f"checkpoint_dir={os.path.abspath(args.checkpoint_dir)}")
+    return launch_from_args(args, args.script, args.script_args, overrides)

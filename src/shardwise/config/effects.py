@@ -80,6 +80,8 @@ def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
         yield "dynamic_loss_args", "loss_scale > 0 keeps the scale fixed"
     if c.non_finite_gradients != "stop" and changed(c, "non_finite_stop_after"):
         yield "non_finite_stop_after", "needs non_finite_gradients: stop"
+    if c.checkpoint_dir is None and changed(c, "preemption_grace_seconds"):
+        yield "preemption_grace_seconds", "needs checkpoint_dir, where a preempted job saves"
     # SMP's default "memory" is named only when given: it is what SMP's own split layers did by default.
     given = "optimize" in c.model_fields_set
     if c.tensor_parallel_degree > 1 and given and c.optimize == "memory" and not c.sequence_parallel:

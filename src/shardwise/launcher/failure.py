@@ -3,6 +3,7 @@ code, and the last lines of that rank's own log — not the launcher's stack tra
 
 from __future__ import annotations
 
+import json
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,3 +104,16 @@ def format_failure(failed: list[RankFailure], spec: LaunchSpec) -> str:
         lines.append(f"also failed: {others}")
     lines.append(f"all logs: {first.log.parent.parent}")
     return "\n".join(lines)
+
+
+def preemption_line(run_dir: RunDir, spec: LaunchSpec, attempt: int) -> Optional[str]:
+    """The one line for a job whose every rank on this node saved a checkpoint on SIGTERM; None otherwise."""
+    records = []
+    for local_rank in range(spec.nproc_per_node):
+        try:
+            records.append(json.loads(run_dir.preempted(spec.global_rank(local_rank), attempt).read_text()))
+        except (OSError, ValueError):
+            return None
+    first = records[0]
+    return (f"shardwise run: preempted: every rank saved checkpoint {first['checkpoint']} at step {first['step']}; "
+            f"the next launch with the same checkpoint_dir resumes from it")

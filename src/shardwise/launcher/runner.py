@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -15,20 +16,31 @@ from typing import Any, Iterator, Mapping, Optional, TextIO
 from ..config.sources import CONFIG_ENV
 from ..topology.layout import validate
 from ..topology.describe import describe_layout
-from .failure import format_failure, rank_failures
-from .rundir import RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
-from .spec import LaunchSpec, entrypoint, launch_config, rendezvous
+from .failure import format_failure, preemption_line, rank_failures
+from .leftovers import LAUNCH_ID_ENV, new_launch_id, stop_leftovers
+from .rundir import PREEMPTED_EXIT_CODE, RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
+from .spec import LaunchSpec, entrypoint, launch_config, rendezvous, rendezvous_env
 
 # torch's agent logs restarts, SIGTERMs and its own ChildFailedError report; they go to
 # logs/agent-node<K>.log so the console shows the ranks' output and our summary only.
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
 _HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+STOP_MARGIN_SECONDS = 10  # beyond preemption_grace_seconds, for the ranks to exit after saving
 
 
-def worker_env(spec: LaunchSpec, run_dir: RunDir) -> dict[str, str]:
+def stop_seconds(config) -> int:
+    """How long torch's agent waits for the ranks it stopped before it kills them: torch's 30 s, or the
+    preemption grace period and a margin when a preempted job saves a checkpoint."""
+    if config.checkpoint_dir is None:
+        return 30
+    return math.ceil(config.preemption_grace_seconds) + STOP_MARGIN_SECONDS
+
+
+def worker_env(spec: LaunchSpec, run_dir: RunDir, launch_id: str) -> dict[str, str]:
     """What every rank gets besides torchrun's RANK/WORLD_SIZE/MASTER_*: where its config and
-    run directory are, and a thread count that does not oversubscribe the node's cores."""
-    env = {CONFIG_ENV: str(run_dir.config.resolve()), RUN_DIR_ENV: str(run_dir.root.resolve())}
+    run directory are, the launch's id, and a thread count that does not oversubscribe the node's cores."""
+    env = {CONFIG_ENV: str(run_dir.config.resolve()), RUN_DIR_ENV: str(run_dir.root.resolve()),
+           LAUNCH_ID_ENV: launch_id}
     if "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cores // spec.nproc_per_node))
@@ -127,17 +139,25 @@ def launch(spec: LaunchSpec, data: Mapping[str, Any], *, out: Optional[TextIO] =
     cmd, args = entrypoint(spec)
     start = time.monotonic()
     code = 0
+    launch_id = new_launch_id()
     try:
-        with _patched_environ(worker_env(spec, run_dir)), _agent_logs_to(run_dir.agent_log(spec.node_rank)), \
-                _restored_signal_handlers():
-            elastic_launch(launch_config(spec, logs), cmd)(*args)
+        with _patched_environ({**worker_env(spec, run_dir, launch_id), **rendezvous_env(spec)}), \
+                _agent_logs_to(run_dir.agent_log(spec.node_rank)), _restored_signal_handlers():
+            elastic_launch(launch_config(spec, logs, stop_seconds(config)), cmd)(*args)
     except ChildFailedError as failure:
-        failed = rank_failures(failure.failures, run_dir, attempt=spec.max_restarts)
-        print(format_failure(failed, spec), file=err)
-        code = failed[0].shell_exit_code or 1
+        failed = rank_failures(failure.failures, run_dir, attempt=logs.attempts - 1)
+        preempted = preemption_line(run_dir, spec, logs.attempts - 1)
+        if preempted and all(f.exitcode == PREEMPTED_EXIT_CODE for f in failed):
+            print(preempted, file=err)
+            code = PREEMPTED_EXIT_CODE
+        else:
+            print(format_failure(failed, spec), file=err)
+            code = failed[0].shell_exit_code or 1
     except SignalException as stop:
-        print(f"shardwise run: got {stop.sigval.name}; stopped all ranks on node {spec.node_rank}", file=err)
-        code = 128 + int(stop.sigval)
+        preempted = preemption_line(run_dir, spec, logs.attempts - 1)
+        print(preempted or f"shardwise run: got {stop.sigval.name}; stopped all ranks on node {spec.node_rank}",
+              file=err)
+        code = PREEMPTED_EXIT_CODE if preempted else 128 + int(stop.sigval)
     except KeyboardInterrupt:
         print(f"shardwise run: interrupted; stopped all ranks on node {spec.node_rank}", file=err)
         code = 130
@@ -147,8 +167,11 @@ def launch(spec: LaunchSpec, data: Mapping[str, Any], *, out: Optional[TextIO] =
               f"fix: start every node with the same --nnodes and --master-addr/--master-port", file=err)
         code = 1
     finally:
+        left = stop_leftovers(launch_id)
+        if left:
+            print(f"shardwise run: stopped {len(left)} process(es) the ranks left behind: {left}", file=err)
         err.flush()
         out.flush()
-    record.update(exit_code=code, seconds=round(time.monotonic() - start, 3))
+    record.update(exit_code=code, attempts=logs.attempts, left_behind=left, seconds=round(time.monotonic() - start, 3))
     run_dir.write_launch(spec.node_rank, record)
     return code

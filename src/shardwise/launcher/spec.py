@@ -141,6 +141,14 @@ def rendezvous(spec: LaunchSpec) -> dict:
             "run_id": MULTI_NODE_RUN_ID, "rdzv_configs": {"rank": spec.node_rank}}
 
 
+def rendezvous_env(spec: LaunchSpec) -> dict[str, str]:
+    """What torch's agent reads from the environment to rendezvous afresh on every attempt. By default the
+    ranks' process groups share the rendezvous store, which outlives an attempt: after a restart, gloo reads the
+    addresses the dead attempt's ranks posted there and fails to connect. With sharing off, the first rank hosts
+    a new store on a free port every attempt (c10d rendezvous only: the static one always shares)."""
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if spec.nnodes == 1 else {}
+
+
 class _EmptyPrefix(str):
     """An empty line-prefix template that torch still treats as given (it tests truthiness and
     otherwise prefixes '[rank0]:'). With one echoed rank per node, its lines need no prefix —
@@ -155,8 +163,9 @@ def line_prefix_template(spec: LaunchSpec) -> str:
     return _EmptyPrefix("") if len(spec.console_local_ranks()) <= 1 else "[rank${rank}]: "
 
 
-def launch_config(spec: LaunchSpec, logs_specs) -> "LaunchConfig":  # noqa: F821 - torch import is lazy
-    """The torchrun `LaunchConfig` for `spec`; per-rank log files come from `logs_specs`."""
+def launch_config(spec: LaunchSpec, logs_specs, stop_seconds: int = 30) -> "LaunchConfig":  # noqa: F821
+    """The torchrun `LaunchConfig` for `spec`; per-rank log files come from `logs_specs`; the agent waits
+    `stop_seconds` for the ranks it stops (SIGTERM) to exit before it kills them."""
     from torch.distributed.launcher.api import LaunchConfig
 
     return LaunchConfig(
@@ -167,6 +176,7 @@ def launch_config(spec: LaunchSpec, logs_specs) -> "LaunchConfig":  # noqa: F821
         role="rank",
         max_restarts=spec.max_restarts,
         log_line_prefix_template=line_prefix_template(spec),
+        shutdown_timeout=stop_seconds,
         **rendezvous(spec),
     )
 
