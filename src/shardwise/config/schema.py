@@ -119,16 +119,16 @@ class ShardwiseConfig(SmpOnlySettings):
                        "gradient reduction.")
     fp16_params: bool = Field(False, description="SMP's earlier spelling of fp16 (parameters of distributed modules "
                               "in fp16): true turns fp16 on.")
-    loss_scale: float = Field(0.0, ge=0, description="fp16 with sw.configured_optimizer(): 0 scales the loss "
-                              "dynamically (by dynamic_loss_args), a number > 0 keeps that scale fixed (DeepSpeed's "
-                              "fp16.loss_scale).")
+    loss_scale: float = Field(0.0, ge=0, description="fp16: the scale of every DistributedOptimizer not given "
+                              "SMP's loss-scale arguments: 0 scales the loss dynamically (by dynamic_loss_args), a "
+                              "number > 0 keeps that scale fixed (DeepSpeed's fp16.loss_scale).")
     dynamic_loss_args: Optional[DynamicLossArgs] = Field(
-        None, description="fp16 with sw.configured_optimizer(): DistributedOptimizer's dynamic_loss_args (init_scale, "
+        None, description="fp16 with loss_scale 0: the dynamic_loss_args of those optimizers (init_scale, "
         "scale_factor, scale_window, min_scale, delayed_shift, consecutive_hysteresis).")
     train_batch_size: Optional[int] = Field(
-        None, ge=1, description="Samples per optimizer step over all data-parallel ranks (DeepSpeed's): must equal "
-        "train_micro_batch_size_per_gpu x microbatches x data-parallel degree; sw.configured_batch_size() gives "
-        "each rank's @step batch.")
+        None, ge=1, description="Samples per optimizer step over all data-parallel ranks (DeepSpeed's) = "
+        "train_micro_batch_size_per_gpu x microbatches x data-parallel degree; the one of the three left out is worked "
+        "out from the others; sw.configured_batch_size() gives each rank's @step batch.")
     train_micro_batch_size_per_gpu: Optional[int] = Field(
         None, ge=1, description="Samples per microbatch on each data-parallel rank (DeepSpeed's).")
     optimizer: Optional[OptimizerBlock] = Field(
