@@ -44,6 +44,11 @@ LAYOUTS: dict[str, tuple[int, int, dict]] = {
     "pp-sp": (4, 4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True,
                      "microbatches": 2}),  # refused: sequence parallelism has no pipeline yet
 }
+# Variants of a layout the covering array leaves out (their pairs with every other axis value would add rows, not
+# risk): they run in VARIANT_ROWS only.
+VARIANTS: dict[str, tuple[int, int, dict]] = {
+    "mics-bf16-cross": (4, 4, {"sharded_data_parallel_degree": 2, "cross_group_reduce_dtype": "bf16"}),
+}
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 # What moves to host memory: nothing, the optimizer's states (and what it steps), or checkpointed regions' inputs.
 OFFLOADS = {"none": {}, "optimizer": {"offload_optimizer_state": True}, "activations": {"offload_activations": True}}
@@ -61,6 +66,11 @@ REGRESSIONS = [
     ("pp", "gpt2", "fp32", False, False, "after", True, "none"),        # a tied weight's optimizer state under one name
 ]
 
+VARIANT_ROWS = [
+    ("mics-bf16-cross", "gpt2", "fp32", True, True, "after", False, "none"),
+    ("mics-bf16-cross", "bert", "bf16", False, False, "before", True, "optimizer"),
+]
+
 AXES: dict[str, tuple[Any, ...]] = {
     "layout": tuple(LAYOUTS),
     "family": ("gpt2", "llama", "bert", "stack"),
@@ -75,6 +85,10 @@ AXES: dict[str, tuple[Any, ...]] = {
 # Relative tolerances against the fp32 process: fp32 differs by summation order only; bf16 keeps 8 bits of
 # mantissa, fp16 11, through a few steps of compute.
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 5e-3}
+# A cross-group all-reduce in bf16 rounds each step's averaged gradient to 8 bits (2^-9 relative), and SGD
+# carries that into the update in proportion. Measured in fp32 (GPT-2, clipping): parameters 2.5e-3, clip norm
+# 1.8e-4, loss 4e-7 (the same row in fp32 across groups: 2e-7); AdamW amplifies it (tests/test_mics_overlap.py).
+CROSS_GROUP_BF16_TOLERANCE = 1e-2
 
 # The plain nn.Module has no built-in tensor-parallel plan: its user brings one, saying where sequence
 # parallelism may shard the sequence.
@@ -125,7 +139,7 @@ def name_of(combo: dict[str, Any]) -> str:
 
 def config_for(combo: dict[str, Any]) -> tuple[int, int, dict]:
     """(world size, ranks per node, config) of a combination; the replica check runs after every step."""
-    world, per_node, layout = LAYOUTS[combo["layout"]]
+    world, per_node, layout = {**LAYOUTS, **VARIANTS}[combo["layout"]]
     config = {**layout, **PRECISIONS[combo["precision"]], **OFFLOADS[combo["offload"]], "replica_check_interval": 1}
     if combo["clipping"]:
         config["gradient_clipping"] = CLIP
@@ -240,7 +254,9 @@ def compare(combo: dict[str, Any], ranks: list[dict]) -> dict[str, float]:
 
 
 def within_tolerance(combo: dict[str, Any], worst: dict[str, float]) -> Optional[str]:
-    """None, or which measure exceeds the precision's tolerance."""
+    """None, or which measure exceeds the precision's tolerance (a bf16 cross-group reduction's, if larger)."""
     limit = TOLERANCE[combo["precision"]]
+    if config_for(combo)[2].get("cross_group_reduce_dtype") == "bf16":
+        limit = max(limit, CROSS_GROUP_BF16_TOLERANCE)
     over = {k: v for k, v in worst.items() if v > limit}
     return None if not over else ", ".join(f"{k} differs by {v:.2e} (> {limit:g})" for k, v in over.items())

@@ -15,7 +15,9 @@ every pair of values. For each row, the validation `check-config` runs decides:
   match one plain fp32 process within the precision's tolerance;
 - refused: `init` refuses it with a `ConfigError` naming the problem.
 
-Rows the matrix once found wrong (`REGRESSIONS`) run besides the covering array.
+Rows the matrix once found wrong (`REGRESSIONS`) run besides the covering array, and so do
+a few rows of layout variants (`VARIANTS`: MiCS with its cross-group all-reduce in bf16,
+compared within that reduction's own tolerance).
 
 `python bench/combinations.py` runs the full product and writes docs/combinations.md.
 """
@@ -24,8 +26,8 @@ from __future__ import annotations
 
 import pytest
 
-from combinations import (AXES, REGRESSIONS, compare, config_for, init_only, name_of, pairwise, product, train_combination,
-                          within_tolerance)
+from combinations import (AXES, REGRESSIONS, VARIANT_ROWS, compare, config_for, init_only, name_of, pairwise, product,
+                          train_combination, within_tolerance)
 from shardwise.config import ConfigError
 from shardwise.testing import DistributedTestError, run_distributed
 from shardwise.topology import Cluster
@@ -33,6 +35,7 @@ from shardwise.topology.layout import validate
 
 ROWS = pairwise(AXES)
 FOUND = [dict(zip(AXES, values)) for values in REGRESSIONS]
+VARIANT = [dict(zip(AXES, values)) for values in VARIANT_ROWS]
 
 
 def test_the_covering_array_holds_every_pair_in_a_few_dozen_rows():
@@ -53,7 +56,8 @@ def refusal(combo: dict) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("combo", ROWS + FOUND, ids=[name_of(row) for row in ROWS] + [f"found-{name_of(row)}" for row in FOUND])
+@pytest.mark.parametrize("combo", ROWS + FOUND + VARIANT, ids=[name_of(row) for row in ROWS]
+                         + [f"found-{name_of(row)}" for row in FOUND] + [name_of(row) for row in VARIANT])
 def test_combination_trains_the_same_math_or_is_refused_at_init(combo):
     world, per_node, _ = config_for(combo)
     refused = refusal(combo)
