@@ -7,6 +7,7 @@ none); the peak is reset after each record, so it is the peak since the last one
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Optional
 
 import torch
@@ -25,12 +26,19 @@ def _local_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     return total
 
 
-def _host_rss() -> Optional[int]:
+@functools.cache
+def _this_process() -> Any:
+    """psutil's handle of this process, or None without psutil."""
     try:
         import psutil
     except ImportError:
         return None
-    return psutil.Process().memory_info().rss
+    return psutil.Process()
+
+
+def _host_rss() -> Optional[int]:
+    process = _this_process()
+    return None if process is None else process.memory_info().rss
 
 
 def memory_record(models: Iterable[Any], optimizers: Iterable[Any], device: torch.device) -> dict[str, Optional[int]]:
