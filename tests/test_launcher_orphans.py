@@ -1,6 +1,7 @@
 """No process of a job outlives it: the ranks and what they started (a data-loader worker, say) are gone
-after a rank crashes and after `shardwise run` gets SIGTERM. torch's agent starts each rank in a session of
-its own and stops the whole session, so a child of a rank that already died is stopped too.
+after a rank crashes and after `shardwise run` gets SIGTERM or SIGKILL. torch's agent stops the session of
+each rank still running; the launcher stops what a rank that died left (its child), and the launcher's reaper
+process stops the job when the launcher itself is SIGKILLed.
 
 The rank scripts do not import torch; each starts a sleeping child and prints both pids.
 """
@@ -43,16 +44,23 @@ def _job_pids(tmp_path: Path) -> list[int]:
     return [int(pid) for log in logs for pid in log.read_text().split()]
 
 
-def _left_behind(pids: list[int]) -> list[int]:
-    """The pids still running (a zombie waiting for init to reap it has ended)."""
-    alive = []
+def _running(pids: list[int]) -> list[psutil.Process]:
+    """The processes still running (a zombie waiting for init to reap it has ended)."""
+    running = []
     for pid in pids:
         try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
         except psutil.NoSuchProcess:
             pass
-    return alive
+    return running
+
+
+def _left_behind(pids: list[int]) -> list[int]:
+    """The pids still running once those signalled have had time to end."""
+    psutil.wait_procs(_running(pids), timeout=30)
+    return [process.pid for process in _running(pids)]
 
 
 def test_a_crashed_rank_leaves_no_process_behind(tmp_path, monkeypatch, capsys):
@@ -66,12 +74,25 @@ def test_a_crashed_rank_leaves_no_process_behind(tmp_path, monkeypatch, capsys):
     assert "rank 1 crashed" in err and f"stopped 1 process(es) the ranks left behind: [{crashed_child}]" in err
 
 
-def test_sigterm_to_the_launcher_leaves_no_process_behind(tmp_path):
+def _launcher(tmp_path: Path) -> subprocess.Popen:
     code = "import sys; from shardwise.cli import main; sys.exit(main())"
-    launcher = subprocess.Popen([sys.executable, "-c", code, *_launch_args(tmp_path)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", code, *_launch_args(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_to_the_launcher_leaves_no_process_behind(tmp_path):
+    launcher = _launcher(tmp_path)
     pids = _job_pids(tmp_path)
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert _left_behind(pids) == []
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_process_behind(tmp_path):
+    """torch's agent dies with the launcher; the launcher's reaper stops the ranks and their children."""
+    launcher = _launcher(tmp_path)
+    pids = _job_pids(tmp_path)
+    launcher.kill()
+    launcher.communicate(timeout=60)
     assert _left_behind(pids) == []

@@ -17,7 +17,7 @@ from ..config.sources import CONFIG_ENV
 from ..topology.layout import validate
 from ..topology.describe import describe_layout
 from .failure import format_failure, preemption_line, rank_failures
-from .leftovers import LAUNCH_ID_ENV, new_launch_id, stop_leftovers
+from .leftovers import LAUNCH_ID_ENV, new_launch_id, start_reaper, stop_leftovers
 from .rundir import PREEMPTED_EXIT_CODE, RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
 from .spec import LaunchSpec, entrypoint, launch_config, rendezvous, rendezvous_env
 
@@ -140,6 +140,7 @@ def launch(spec: LaunchSpec, data: Mapping[str, Any], *, out: Optional[TextIO] =
     start = time.monotonic()
     code = 0
     launch_id = new_launch_id()
+    reaper = start_reaper(launch_id, stop_seconds(config))
     try:
         with _patched_environ({**worker_env(spec, run_dir, launch_id), **rendezvous_env(spec)}), \
                 _agent_logs_to(run_dir.agent_log(spec.node_rank)), _restored_signal_handlers():
@@ -167,6 +168,8 @@ def launch(spec: LaunchSpec, data: Mapping[str, Any], *, out: Optional[TextIO] =
               f"fix: start every node with the same --nnodes and --master-addr/--master-port", file=err)
         code = 1
     finally:
+        reaper.kill()
+        reaper.wait()
         left = stop_leftovers(launch_id)
         if left:
             print(f"shardwise run: stopped {len(left)} process(es) the ranks left behind: {left}", file=err)
