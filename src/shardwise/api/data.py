@@ -81,11 +81,12 @@ class ShardedDataLoader:
     DistributedSampler does without `set_epoch`.
     """
 
-    def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device, recorder: Recorder):
+    def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device,
+                 recorder: Optional[Recorder] = None):
         self.loader = loader
         self.sampler = sampler
         self.device = device
-        self.recorder = recorder  # times each batch's fetch: the step's data wait
+        self.recorder = recorder  # times each batch's fetch: the step's data wait (none without a runtime)
         self.consumed = sampler.start
         self.worker_seeds: Optional[torch.Generator] = None  # data_loader's own generator, reseeded every loop
 
@@ -150,7 +151,8 @@ class ShardedDataLoader:
             self.consumed = min(self.consumed + step, length)
             batch = pytree.tree_map(
                 lambda x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch)
-            self.recorder.batch_fetched(fetching, time.perf_counter())
+            if self.recorder is not None:
+                self.recorder.batch_fetched(fetching, time.perf_counter())
             yield batch
         self._seek(0)
 
