@@ -4,7 +4,8 @@ all-reduce, then scaled by each later step's samples: a step of twice the sample
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,25 +16,22 @@ class FlopsPerStep:
     """The world's FLOPs per sample, measured once."""
 
     def __init__(self) -> None:
-        self.counter: Optional[FlopCounterMode] = None
+        self.counted = 0  # this rank's FLOPs in the measured step's @step calls so far
         self.per_sample: Optional[float] = None
 
-    @property
-    def measuring(self) -> bool:
-        return self.counter is not None
-
-    def counting(self) -> FlopCounterMode:
-        """The mode to run the first recorded step's @step calls under (the same counter for each)."""
-        if self.counter is None:
-            self.counter = FlopCounterMode(display=False)
-        return self.counter
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Around one @step call of the measured step (a FlopCounterMode starts from 0 each time it is entered)."""
+        counter = FlopCounterMode(display=False)
+        with counter:
+            yield
+        self.counted += counter.get_total_flops()
 
     def finish(self, samples: int, device: torch.device) -> None:
         """After the measured step: every rank's count summed (every rank must call, once)."""
-        total = torch.tensor(float(self.counter.get_total_flops()), dtype=torch.float64, device=device)
+        total = torch.tensor(float(self.counted), dtype=torch.float64, device=device)
         dist.all_reduce(total)
         self.per_sample = total.item() / max(samples, 1)
-        self.counter = None
 
     def metrics(self, samples: int, step_time_s: float, peak_tflops: Optional[float], devices: int) -> dict:
         """flops_per_step, tflops_per_s and mfu (null without peak_tflops) of a step of `samples` samples."""
