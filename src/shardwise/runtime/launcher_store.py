@@ -27,7 +27,7 @@ def connect(timeout: timedelta) -> Optional[dist.TCPStore]:
 
 
 def wait_for(store: dist.TCPStore, key: str, stopped: Optional[threading.Event] = None,
-             poll_seconds: float = 0.25) -> bool:
+             poll_seconds: float = 0.5) -> bool:
     """Wait for `key` while the script runs: True once it is set, False when the main thread has ended (or
     `stopped` is set).
 
