@@ -23,7 +23,7 @@ from torch import nn
 from ..config.schema import ShardwiseConfig
 from ..parallel.pipeline.graph import memory_weight
 from ..parallel.pipeline.graph_cut import Call, captured, cut_units, split_units, trace_calls
-from ..parallel.pipeline.partition import find_blocks, has_block_list
+from ..parallel.pipeline.partition import Blocks, find_blocks, has_block_list
 from .errors import PlanError
 from .spec import ModelSpec, StageCost, Traced
 
@@ -87,6 +87,14 @@ def _graph_cuts(root: Call, tokens: int) -> tuple[tuple[StageCost, ...], ...]:
     return tuple(cuts)
 
 
+def _block_list(model: nn.Module) -> Optional[Blocks]:
+    """The blocks the runtime's pipeline cuts along; None where it cuts the module graph instead."""
+    try:
+        return find_blocks(model) if has_block_list(model) else None
+    except ValueError:  # parameters beside the blocks on a module enclosing them: no block-list cut
+        return None
+
+
 def spec_from_module(model: nn.Module, name: str, inputs: dict[str, Any], seq: int) -> ModelSpec:
     """The spec of `model` from one traced forward of `inputs` (`TRACE_BATCH` samples of `seq` positions)."""
     root, _ = captured(model, "trace", lambda: trace_calls(model, inputs))
@@ -95,7 +103,7 @@ def spec_from_module(model: nn.Module, name: str, inputs: dict[str, Any], seq: i
     shape = dict(name=name, family="module", heads=1, kv_heads=1, ffn=0, vocab=0, seq_len=seq, activation="relu",
                  gated_mlp=False, norm="layernorm", attention_dropout=0.0, hidden_dropout=0.0, parameters=counted,
                  tied_head=False, head_outputs=0)
-    blocks = find_blocks(model) if has_block_list(model) else None
+    blocks = _block_list(model)
     if blocks is None:
         traced = Traced(root.flops / tokens, root.saved_bytes / tokens, 0.0, 0.0, 0.0, _graph_cuts(root, tokens))
         return ModelSpec(**shape, hidden=root.output_bytes / _FP32 / tokens, layers=1, layer_tensors=root.tensors,
