@@ -23,7 +23,7 @@ from torch.utils.data import TensorDataset
 
 import shardwise as sw
 from shardwise.observe import metrics  # sw.metrics
-from shardwise.observe.comms import CollectiveWatch, mesh_group_names
+from shardwise.observe.comms import CollectiveWatch, mesh_groups
 from shardwise.runtime import state
 from shardwise.runtime.state import current
 from shardwise.testing import run_distributed
@@ -64,7 +64,7 @@ def _train(config: dict, outer: bool = False) -> tuple[list, int]:
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (STEPS * ROWS * sw.dp_size(), SEQ), generator=g)
-    watch = CollectiveWatch(mesh_group_names(current().mesh))
+    watch = CollectiveWatch(mesh_groups(current().mesh))
     for inputs, targets in sw.data_loader(TensorDataset(ids, ids.roll(1, 1)), batch_size=ROWS):
         optimizer.zero_grad()
         with watch if outer else contextlib.nullcontext():

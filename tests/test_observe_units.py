@@ -1,5 +1,6 @@
-"""The recorder's parts that need no process group: bus-bandwidth factors, the comms summary, the breakdown's
-arithmetic, flattened sinks, the progress display's plain lines, and the config's notices and errors."""
+"""The recorder's parts one at a time: bus-bandwidth factors, the comms summary, the breakdown's arithmetic,
+flattened sinks, the progress display's plain lines, the config's notices and errors, and the comms watch on
+c10d and functional collectives (the one part that needs a process group)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,28 @@ def test_an_unknown_sink_is_a_config_error_naming_the_choices():
     with pytest.raises(ConfigError, match="metrics_sinks") as info:
         validate({"metrics_sinks": ["prometheus"]}, Cluster())
     assert "'csv', 'tensorboard' or 'wandb'" in str(info.value)
+
+
+def _collectives_seen() -> list[tuple]:
+    """A c10d all-reduce, a functional all-reduce and a functional all-gather of 8 floats over the world."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    from shardwise.observe.comms import CollectiveWatch
+
+    world = dist.group.WORLD
+    with CollectiveWatch({world.group_name: ("world", dist.get_world_size())}) as watch:
+        dist.all_reduce(torch.ones(8))
+        funcol.all_reduce(torch.ones(8), "sum", world).wait()
+        funcol.all_gather_tensor(torch.ones(8), 0, world).wait()
+    watch.close()
+    return [(c.name, c.group, c.nbytes, c.done is not None) for c in watch.collectives]
+
+
+def test_the_watch_sees_c10d_and_functional_collectives_to_their_completion():
+    from shardwise.testing import run_distributed
+
+    seen = run_distributed(_collectives_seen, 2)
+    assert seen[0] == seen[1] == [("all_reduce", "world", 32, True), ("all_reduce", "world", 32, True),
+                                  ("all_gather", "world", 64, True)]

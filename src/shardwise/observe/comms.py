@@ -2,7 +2,8 @@
 
 `CollectiveWatch` is a `TorchDispatchMode`: every c10d op (what `torch.distributed`'s calls, DDP's reducer and
 FSDP2 dispatch) and every functional collective passes through it, with its process group, so nothing in
-torch.distributed is patched. A collective's time runs from its issue to the completion of its `Work`'s future.
+torch.distributed is patched. A collective's time runs from its issue to the completion of its `Work`'s future
+(polled at each op where gloo gives none), or for a functional collective to the `wait_tensor` that waits for it.
 Bytes and bus bandwidth follow NCCL-tests: the size of an all-gather is its output, of a reduce-scatter its
 input, of the rest their buffer; bus bandwidth is the algorithmic one times 2(n-1)/n for an all-reduce,
 (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for the rest.
@@ -57,16 +58,27 @@ def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
-def _group_of(args: tuple, kwargs: Mapping) -> Optional[dist.ProcessGroup]:
+def _unboxed(arg: Any, kind: Any) -> Any:
+    """`arg` as a `kind` (ProcessGroup, Work) if it is a TorchScript object of that class, else None."""
+    if not isinstance(arg, torch.ScriptObject):
+        return None
+    try:
+        return kind.unbox(arg)
+    except RuntimeError:  # another class
+        return None
+
+
+def _group_of(args: tuple, kwargs: Mapping, groups: Mapping[str, tuple[str, int]]) -> tuple[str, int]:
+    """The label and size of the process group a collective runs on: c10d ops take the group, functional
+    collectives its name."""
     for arg in (*args, *kwargs.values()):
-        if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
-            return dist.ProcessGroup.unbox(arg)
-        if isinstance(arg, str):  # functional collectives name their group
-            try:
-                return dist.distributed_c10d._resolve_process_group(arg)
-            except (RuntimeError, ValueError):
-                continue
-    return None
+        group = _unboxed(arg, dist.ProcessGroup)
+        if group is not None:
+            return groups.get(group.group_name, (f"ranks {dist.get_process_group_ranks(group)}",
+                                                 dist.get_world_size(group)))
+        if isinstance(arg, str) and arg in groups:
+            return groups[arg]
+    return "unknown", 1
 
 
 @dataclass
@@ -82,18 +94,20 @@ class Collective:
 
 
 class CollectiveWatch(TorchDispatchMode):
-    """Records collectives with the name `group_names` gives their process group, and, with `track_idle`,
+    """Records collectives with the label and size `groups` gives their process group's name (`mesh_groups`),
+    and, with `track_idle`,
     the host's gaps between ops while some collective was in flight."""
 
-    def __init__(self, group_names: Mapping[str, str], track_idle: bool = False):
+    def __init__(self, groups: Mapping[str, tuple[str, int]], track_idle: bool = False):
         super().__init__()
-        self.group_names = group_names
+        self.groups = groups
         self.track_idle = track_idle
         self.collectives: list[Collective] = []
         self.idle_gaps: list[tuple[float, float]] = []
         self._in_flight: list[Collective] = []  # not known to be complete when last looked at
         self._last_op_end: Optional[float] = None
         self._polled: list[tuple[Collective, Any]] = []  # collectives whose Work has no future, and that Work
+        self._awaited: dict[int, Collective] = {}  # functional collectives by the id of their result
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -104,7 +118,7 @@ class CollectiveWatch(TorchDispatchMode):
             self._note_gap(start)
         out = func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
-            self._record(func._opname, args, kwargs, out, start)
+            self._record(func.overloadpacket.__name__, args, kwargs, out, start)
         if self.track_idle:
             self._last_op_end = time.perf_counter()
         return out
@@ -119,25 +133,27 @@ class CollectiveWatch(TorchDispatchMode):
             self.idle_gaps.append((last, now))
 
     def _record(self, opname: str, args: tuple, kwargs: Mapping, out: Any, issued: float) -> None:
-        group = _group_of(args, kwargs)
-        size = dist.get_world_size(group) if group is not None else 1
-        label = self.group_names.get(group.group_name, f"ranks {dist.get_process_group_ranks(group)}") \
-            if group is not None else "unknown"
+        if opname == "wait_tensor":  # a functional collective's result is ready: it has completed
+            waited = self._awaited.pop(id(args[0]), None)
+            if waited is not None:
+                waited.done = time.perf_counter()
+            return
+        if opname not in _FUNCTIONAL_GATHERS and opname not in _COLLECTIVES:
+            return
+        label, size = _group_of(args, kwargs, self.groups)
         if opname in _FUNCTIONAL_GATHERS:
             collective = Collective(_FUNCTIONAL_GATHERS[opname], label, size, _nbytes(args[0]) * size, issued)
-        elif opname in _COLLECTIVES:
+        else:
             name, index = _COLLECTIVES[opname]
             collective = Collective(name, label, size, 0 if index is None else _nbytes(args[index]), issued)
-        else:  # wait_tensor and other bookkeeping ops
-            return
         self.collectives.append(collective)
         if self.track_idle:
             self._in_flight.append(collective)
-        work = out[-1] if isinstance(out, tuple) else out
-        if not (isinstance(work, torch.ScriptObject) and "Work" in str(work._type())):
-            collective.done = issued  # a functional collective's tensor: its time is not seen here
+        work = _unboxed(out[-1] if isinstance(out, tuple) else out, dist.Work)
+        if work is None:  # a functional collective returns its result, which `wait_tensor` waits for
+            for tensor in tree_leaves(out):
+                self._awaited[id(tensor)] = collective
             return
-        work = dist.distributed_c10d.Work.unbox(work)
         try:
             # Runs on the backend's thread when the collective completes.
             work.get_future().then(lambda _: setattr(collective, "done", time.perf_counter()))
@@ -193,13 +209,14 @@ def summary(collectives: list[Collective], now: float) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
-def mesh_group_names(mesh: Any) -> dict[str, str]:
-    """Process-group name -> the mesh axis it serves. Where axes share one group (a 1-node DDP's replicas are
-    the world), the first of tp, pp, dp, rdp, shard, replicate names it; the world group is `world` otherwise."""
-    names = {dist.group.WORLD.group_name: "world"}
+def mesh_groups(mesh: Any) -> dict[str, tuple[str, int]]:
+    """Process-group name -> (the mesh axis it serves, its ranks). Where axes share one group (a one-node
+    DDP's replicas are the whole dp axis) the first of tp, pp, dp, rdp, shard, replicate names it; the
+    world group is `world` otherwise."""
+    groups = {dist.group.WORLD.group_name: ("world", dist.get_world_size())}
     for label, axis in reversed((("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("rdp", "rdp"), ("shard", "dp_shard"),
                                  ("replicate", "dp_replicate"))):
         group = mesh[axis].get_group()
         if dist.get_world_size(group) > 1:
-            names[group.group_name] = label
-    return names
+            groups[group.group_name] = (label, dist.get_world_size(group))
+    return groups

@@ -43,10 +43,7 @@ def metrics_dir(config: Any) -> Optional[Path]:
 def _batch_shape(args: tuple, kwargs: dict) -> tuple[int, Optional[int]]:
     """Rows of the first tensor argument, and its tokens when it holds token ids (an integer tensor of 2+ dims:
     rows × sequence); (0, None) without a tensor."""
-    from ..api.model import DistributedModel
-
-    tensors = [leaf for leaf in tree_leaves((args, kwargs))
-               if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DistributedModel) and leaf.dim() > 0]
+    tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not tensors:
         return 0, None
     batch = tensors[0]
@@ -96,7 +93,7 @@ class Recorder:
         if not self.recording or not (self.comms_logger or self.breakdown):
             return contextlib.nullcontext()
         if self.watch is None:
-            self.watch = comms.CollectiveWatch(comms.mesh_group_names(runtime.mesh), track_idle=self.breakdown)
+            self.watch = comms.CollectiveWatch(comms.mesh_groups(runtime.mesh), track_idle=self.breakdown)
 
         @contextlib.contextmanager
         def watching() -> Iterator[None]:
@@ -117,9 +114,10 @@ class Recorder:
         if not self.interval:
             yield
             return
-        rows, tokens = _batch_shape(args, kwargs)
-        self.rows += rows
-        self.tokens = None if tokens is None or self.tokens is None else self.tokens + tokens
+        if torch.is_grad_enabled():  # an evaluation step's batch is no training sample
+            rows, tokens = _batch_shape(args, kwargs)
+            self.rows += rows
+            self.tokens = None if tokens is None or self.tokens is None else self.tokens + tokens
         start = self._now(runtime.device)
         with contextlib.ExitStack() as stack:
             if self.recording and self.breakdown:
