@@ -14,6 +14,7 @@ Units placed by hand (`partition`, `set_partition`) keep their partition.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -90,7 +91,7 @@ def trace_calls(model: nn.Module, inputs: dict[str, Any]) -> tuple[Call, Any]:
     calls: dict[str, Call] = {}
     stack: list[Call] = []
     paths = {module: path for path, module in meta.named_modules()}
-    own_saved: dict[str, int] = dict.fromkeys(paths.values(), 0)
+    own_saved: dict[str, int] = collections.Counter()  # bytes saved while the module itself, not a child, ran
     seen: set[int] = set()  # storages already counted: a tensor saved twice (or a view of one) is kept once
 
     def enter(module: nn.Module, args: Any) -> None:
@@ -130,9 +131,13 @@ def trace_calls(model: nn.Module, inputs: dict[str, Any]) -> tuple[Call, Any]:
         module = meta.get_submodule(path)
         call.tensors = tuple(p.numel() for p in module.parameters())
         call.params = sum(call.tensors)
-        call.saved_bytes = sum(own_saved[name] for name in paths.values()
-                               if name == path or name.startswith(f"{path}.") or not path)
+    _add_children_saved(calls[""], own_saved)
     return calls[""], output
+
+
+def _add_children_saved(call: Call, own_saved: dict[str, int]) -> int:
+    call.saved_bytes = own_saved[call.path] + sum(_add_children_saved(child, own_saved) for child in call.children)
+    return call.saved_bytes
 
 
 _trace = trace_calls  # the name bench/graph_cut.py reads the call tree by
