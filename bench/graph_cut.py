@@ -22,7 +22,7 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from shardwise.parallel.pipeline.graph_cut import _trace, cut_graph
+from shardwise.parallel.pipeline.graph_cut import cut_graph, trace_calls
 
 
 def gpt2_on_meta(layers: int, width: int, heads: int, positions: int, vocab: int = 50257) -> torch.nn.Module:
@@ -60,7 +60,7 @@ def cut_quality(layers: int, stages: int, weights: tuple[float, ...] = (0.0, 0.5
     model = gpt2_on_meta(layers, 64, 4, 32, vocab=512)  # a small vocabulary: no one module dominates
     ids = torch.zeros(2, 32, dtype=torch.long)
     inputs = {"input_ids": ids, "labels": ids}
-    root, _ = _trace(model, inputs)
+    root, _ = trace_calls(model, inputs)
     leaves = sorted(_leaves(root), key=lambda call: call.order)
     flops, params = sum(c.flops for c in leaves) or 1, sum(c.params for c in leaves) or 1
     rows = []

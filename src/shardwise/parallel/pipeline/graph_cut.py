@@ -140,8 +140,6 @@ def _add_children_saved(call: Call, own_saved: dict[str, int]) -> int:
     return call.saved_bytes
 
 
-_trace = trace_calls  # the name bench/graph_cut.py reads the call tree by
-
 
 def cut_units(root: Call, stages: int) -> list[Call]:
     """The root's called children, each split into its own while it costs too much to be placed whole."""
