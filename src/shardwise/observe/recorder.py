@@ -67,7 +67,8 @@ class Recorder:
                                    config.model_dump(mode="json")) if self.interval and runtime.rank == 0 else [])
         self.progress: Optional[ProgressDisplay] = (ProgressDisplay(None) if config.progress_bar and runtime.rank == 0
                                                     else None)
-        self.steps = 0  # optimizer steps taken
+        self.steps = 0  # optimizer steps taken: those of the first DistributedOptimizer that steps
+        self._stepper: Optional[weakref.ref] = None
         self.clock = StepClock()
         self.watch: Optional[comms.CollectiveWatch] = None
         self.rows = 0
@@ -149,13 +150,16 @@ class Recorder:
         """Around one `optimizer.step()`: the step's end; its records when it is recorded."""
         if not self.interval:
             yield
-            self.steps += 1
             return
         start = self._now(runtime.device)
         with self._watching(runtime):
             yield
         end = self._now(runtime.device)
         self.clock.add("optimizer", start, end)
+        if self._stepper is None:
+            self._stepper = weakref.ref(optimizer)
+        if self._stepper() is not optimizer:  # a second optimizer (a teacher's): its time is the step's optimizer
+            return
         if self.recording:
             self._record(runtime, optimizer, end)
         self.steps += 1
