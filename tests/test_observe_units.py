@@ -111,3 +111,17 @@ def test_the_watch_sees_c10d_and_functional_collectives_to_their_completion():
     seen = run_distributed(_collectives_seen, 2)
     assert seen[0] == seen[1] == [("all_reduce", "world", 32, True), ("all_reduce", "world", 32, True),
                                   ("all_gather", "world", 64, True)]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_a_rich_bar_that_ends_with_the_run():
+    out = _Terminal()
+    display = ProgressDisplay(total=10, stream=out)
+    for step in range(1, 11):
+        display.write({**RECORD, "step": step})
+    assert not display.bar.live.is_started  # stopped at the last step
+    assert "10/10" in out.getvalue() and "loss 2.346" in out.getvalue() and "2,048 tokens/s" in out.getvalue()

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any, Optional
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
@@ -32,7 +33,7 @@ class ProgressDisplay:
         self.bar: Optional[Progress] = None
         if self.stream.isatty():
             self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                                TimeRemainingColumn())
+                                TimeRemainingColumn(), console=Console(file=self.stream))
             self.task = self.bar.add_task("train", total=total, info="")
             self.bar.start()
         self.every = every or max(1, (total or 0) // 20)
