@@ -155,7 +155,7 @@ def test_bus_bandwidth_uses_nccl_tests_factors(runs):
 
 
 def test_flops_equal_six_n_tokens(runs):
-    root, results = runs
+    root, _ = runs
     tokens = ROWS * SEQ * WORLD
     for name in ("ddp", "zero3", "mics"):
         for line in (root / name / "global.jsonl").read_text().splitlines():

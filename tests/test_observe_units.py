@@ -9,12 +9,12 @@ import io
 import pytest
 
 from shardwise.config import ConfigError, ShardwiseConfig, ineffective_settings
-from shardwise.topology.layout import validate
 from shardwise.observe.comms import Collective, bus_factor, summary
 from shardwise.observe.progress import ProgressDisplay
 from shardwise.observe.sinks import flat
 from shardwise.observe.timing import StepClock
 from shardwise.topology import Cluster
+from shardwise.topology.layout import validate
 
 
 @pytest.mark.parametrize(("collective", "ranks", "factor"), [

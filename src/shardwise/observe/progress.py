@@ -32,8 +32,9 @@ class ProgressDisplay:
         self.started = time.monotonic()
         self.bar: Optional[Progress] = None
         if self.stream.isatty():
-            self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                                TimeRemainingColumn(), console=Console(file=self.stream))
+            self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                                console=Console(file=self.stream))
             self.task = self.bar.add_task("train", total=total, info="")
             self.bar.start()
         self.every = every or max(1, (total or 0) // 20)
