@@ -14,11 +14,15 @@ nan born in one rank's backward does:
   are both skipped and the run finishes, two in a row stop it at the second;
 - fp16 (ZeRO-3): its loss scaler skips the bad step and lowers the scale, counted
   in `skipped_steps`, whatever `non_finite_gradients` says (it is named as ineffective).
+
+Every run saves an asynchronous checkpoint after the first step, still being written when
+the first bad step comes; whatever the policy did, it is then complete and reads back as saved.
 """
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +33,8 @@ from shardwise.config import ShardwiseConfig
 from shardwise.config.effects import ineffective_settings
 from shardwise.runtime.non_finite import NonFiniteGradientError, NonFiniteGradientWarning
 from shardwise.testing import run_distributed
-from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error, train_reference
+from tiny_models import (assert_checkpoints_intact, build, dataset, loss_fn, make_optimizer, relative_error,
+                         train_reference)
 
 STEPS, ROWS, WORLD = 4, 2, 2
 # ZeRO-1: only the owner of `embed.weight`'s share sees the nan; ZeRO-3 with clipping agrees by the clip norm
@@ -48,9 +53,10 @@ def _poison_embedding(model: torch.nn.Module) -> Any:
     return model.get_module().embed.register_forward_hook(_nan_gradient)
 
 
-def train(config: dict, bad_steps: set[int]) -> dict:
+def train(config: dict, bad_steps: set[int], checkpoints: str) -> dict:
     """STEPS AdamW steps of TinyStack; rank 1 poisons the embedding's gradient in `bad_steps`. Stops at a
-    NonFiniteGradientError, reporting it and whether the parameters were left as before that step."""
+    NonFiniteGradientError, reporting it and whether the parameters were left as before that step. After the
+    first step, an asynchronous save of checkpoint `step1` to `checkpoints` (`saved`: what it holds)."""
     sw.init(config)
     model = sw.DistributedModel(build("stack"))
     optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
@@ -83,8 +89,19 @@ def train(config: dict, bad_steps: set[int]) -> dict:
         out["warnings"] += [str(w.message) for w in caught if issubclass(w.category, NonFiniteGradientWarning)]
         out["overflow"].append(optimizer.overflow)
         out["scales"].append(optimizer.loss_scale)
+        if index == 0:
+            sw.save_checkpoint(checkpoints, "step1", async_save=True)
+            out["saved"] = {"step1": {name: value.clone() for name, value in model.full_state_dict().items()}}
     out.update(skipped=optimizer.skipped_steps, state=model.full_state_dict())
     return out
+
+
+def train_and_check(config: dict, bad_steps: set[int], tmp_path: Path) -> list[dict]:
+    """`train` on WORLD ranks; then the checkpoint it saved before the first bad step must be intact."""
+    checkpoints = tmp_path / "ckpt-{}".format("-".join(map(str, sorted(bad_steps))))
+    ranks = run_distributed(train, WORLD, config, bad_steps, str(checkpoints), timeout=300)
+    assert_checkpoints_intact(checkpoints, ranks[0]["saved"], tmp_path)
+    return ranks
 
 
 def reference(skipped: set[int]) -> dict[str, torch.Tensor]:
@@ -93,9 +110,8 @@ def reference(skipped: set[int]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_skip_policy_skips_the_bad_step_on_every_rank_as_one_process_skipping_it(layout):
-    config = {**LAYOUTS[layout], "non_finite_gradients": "skip"}
-    ranks = run_distributed(train, WORLD, config, {1}, timeout=300)
+def test_skip_policy_skips_the_bad_step_on_every_rank_as_one_process_skipping_it(layout, tmp_path):
+    ranks = train_and_check({**LAYOUTS[layout], "non_finite_gradients": "skip"}, {1}, tmp_path)
     want = reference({1})
     for rank, result in enumerate(ranks):
         assert result["error"] is None
@@ -111,8 +127,8 @@ def test_skip_policy_skips_the_bad_step_on_every_rank_as_one_process_skipping_it
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stop_policy_stops_every_rank_at_the_bad_step_naming_it(layout):
-    ranks = run_distributed(train, WORLD, {**LAYOUTS[layout], "non_finite_gradients": "stop"}, {1}, timeout=300)
+def test_stop_policy_stops_every_rank_at_the_bad_step_naming_it(layout, tmp_path):
+    ranks = train_and_check({**LAYOUTS[layout], "non_finite_gradients": "stop"}, {1}, tmp_path)
     for result in ranks:
         assert result["at"] == 1 and result["unchanged"]
         assert result["error"].startswith(f"optimizer step 2: {NAMED}")
@@ -120,9 +136,9 @@ def test_stop_policy_stops_every_rank_at_the_bad_step_naming_it(layout):
         assert "\n" not in result["error"]
 
 
-def test_stop_after_k_stops_only_at_k_bad_steps_in_a_row():
+def test_stop_after_k_stops_only_at_k_bad_steps_in_a_row(tmp_path):
     config = {"non_finite_gradients": "stop", "non_finite_stop_after": 2}
-    apart, in_a_row = (run_distributed(train, WORLD, config, bad, timeout=300) for bad in ({1, 3}, {1, 2}))
+    apart, in_a_row = (train_and_check(config, bad, tmp_path) for bad in ({1, 3}, {1, 2}))
     want = reference({1, 3})
     for result in apart:
         assert result["error"] is None and result["skipped"] == 2
@@ -134,9 +150,9 @@ def test_stop_after_k_stops_only_at_k_bad_steps_in_a_row():
         assert result["error"].startswith(f"optimizer step 3: {NAMED}0) in 2 steps in a row; training stopped")
 
 
-def test_fp16_skips_the_bad_step_lowers_the_scale_and_counts_it():
+def test_fp16_skips_the_bad_step_lowers_the_scale_and_counts_it(tmp_path):
     config = {"sharded_data_parallel_degree": 2, "fp16": True, "non_finite_gradients": "stop"}
-    for result in run_distributed(train, WORLD, config, {1}, timeout=300):
+    for result in train_and_check(config, {1}, tmp_path):
         assert result["error"] is None and result["skipped"] == 1
         assert result["overflow"] == [False, True, False, False]
         assert result["scales"][1] == result["scales"][0] / 2

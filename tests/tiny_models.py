@@ -13,6 +13,8 @@ that frozen parameters pass through every sharding mode.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -230,3 +232,21 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 
     """‖actual − expected‖ / max(‖expected‖, floor): tensors near zero are compared absolutely."""
     actual, expected = actual.double(), expected.double()
     return ((actual - expected).norm() / expected.norm().clamp_min(floor)).item()
+
+
+def assert_checkpoints_intact(root: Path, saved: dict[str, dict[str, torch.Tensor]], scratch: Path) -> None:
+    """After a fault: the checkpoints in `root` are exactly those `saved` names (tag: the full state dict it
+    was saved from, oldest first), `newest` names the last, no other directory passes for one (a save cut
+    short stays hidden), and each, checksums verified, reads back in this one process bit for bit as saved."""
+    from shardwise.checkpoint.directory import complete_tags, newest_tag, read_manifest
+    from shardwise.checkpoint.export import export_checkpoint
+
+    visible = sorted(entry.name for entry in root.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+    assert complete_tags(root) == list(saved) and visible == sorted(saved), (visible, complete_tags(root))
+    assert newest_tag(root) == list(saved)[-1]
+    for tag, state in saved.items():
+        assert read_manifest(root / tag)["tag"] == tag
+        exported = torch.load(export_checkpoint(root / tag, scratch / f"{tag}.pt"), weights_only=True)
+        assert sorted(exported) == sorted(state), tag
+        for name, value in state.items():
+            assert exported[name].dtype == value.dtype and torch.equal(exported[name], value), (tag, name)
