@@ -6,6 +6,9 @@ busy elsewhere, sleeping) while rank 0 waits in DDP's gradient all-reduce. Withi
 timeout the job ends; rank 0's error, the job's, names the collective, its group and
 sequence number and says rank 1 never joined; both ranks leave a report with their recent
 collectives and stacks. Without it, the watched run trains as one plain process and ends cleanly.
+The script saves checkpoint step1 after the first step and step2, asynchronously, after the second,
+so that it may still be being written as the hang begins; after the job ends both are complete and
+read back as saved.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from shardwise.cli import main
 from shardwise.runtime import state
 from shardwise.runtime.hang_report import is_collective_timeout
 from shardwise.testing import run_distributed
-from tiny_models import relative_error, train_reference
+from tiny_models import assert_checkpoints_intact, relative_error, train_reference
 
 TIMEOUT, STEPS, ROWS, WORLD = 3, 4, 4, 2
 SCRIPT = """
@@ -37,6 +40,7 @@ sw.init()
 model = sw.DistributedModel(build("stack"))
 optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
 data = dataset("stack", {steps} * {rows} * 2)
+saved = {{}}
 
 @sw.step
 def train_step(model, inputs, targets):
@@ -52,6 +56,11 @@ for index in range({steps}):
     optimizer.zero_grad()
     train_step(model, *data[start:start + {rows}])
     optimizer.step()
+    if index < 2:
+        sw.save_checkpoint(sys.argv[2], f"step{{index + 1}}", async_save=index == 1)
+        saved[f"step{{index + 1}}"] = {{name: value.clone() for name, value in model.full_state_dict().items()}}
+        if sw.rank() == 0:
+            torch.save(saved, sys.argv[3])
 state = model.full_state_dict()
 if sw.rank() == 0:
     torch.save(state, sys.argv[1])
@@ -60,13 +69,15 @@ sw.shutdown()
 
 
 def _launch(tmp_path: Path, fault: bool) -> tuple[int, Path, float]:
-    """Run the script through `shardwise run` with the small timeout; the exit code, run dir, time it ended."""
+    """Run the script through `shardwise run` with the small timeout, checkpoints to `tmp_path/ckpt`, what
+    they hold to `tmp_path/saved.pt`; the exit code, run dir, time it ended."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(tests=str(Path(__file__).parent), steps=STEPS, rows=ROWS,
                                                     fault=fault)))
     run_dir = tmp_path / "run"
     code = main(["run", "--nproc-per-node", str(WORLD), "--set", f"collective_timeout_seconds={TIMEOUT}",
-                 "--run-dir", str(run_dir), str(script), str(tmp_path / "state.pt")])
+                 "--run-dir", str(run_dir), str(script), str(tmp_path / "state.pt"), str(tmp_path / "ckpt"),
+                 str(tmp_path / "saved.pt")])
     return code, run_dir, time.time()
 
 
@@ -96,6 +107,7 @@ def test_a_rank_that_skips_a_collective_is_named_within_the_timeout(tmp_path, ca
     assert any("train_step" in frame for frame in hung["stack"]), hung["stack"]
     rank1 = json.loads((run_dir / "logs" / "rank1" / "hang.json").read_text())
     assert rank1["positions"][hung["group"]] == hung["sequence"] - 1 and rank1["recent"]
+    assert_checkpoints_intact(tmp_path / "ckpt", torch.load(tmp_path / "saved.pt"), tmp_path)
 
 
 def _time_a_tensor_parallel_collective_rank_1_skips() -> dict:
