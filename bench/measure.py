@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from shardwise.torch_internals import TorchDispatchMode
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 

@@ -20,7 +20,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from shardwise.torch_internals import TorchDispatchMode
 
 import shardwise as sw
 from shardwise.parallel.zero1.shares import IN_FLIGHT

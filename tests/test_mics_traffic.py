@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from shardwise.torch_internals import TorchDispatchMode
 
 import shardwise as sw
 from shardwise.testing import run_distributed

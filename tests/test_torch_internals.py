@@ -31,6 +31,7 @@ from shardwise.parallel.pipeline.schedule import EvalSafeStage
 from shardwise.testing import run_distributed
 from shardwise.torch_internals import (
     FakeTensorMode,
+    TorchDispatchMode,
     at_backward_end,
     children_table,
     clear_dtensor_caches,
@@ -344,6 +345,21 @@ def test_set_group_timeout_shortens_a_new_groups_wait_and_process_groups_lists_i
     assert 1 <= first["seconds"] < 3.5, first
 
 
+def test_torch_dispatch_mode_sees_every_aten_call():
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recording() as recording:
+        torch.ones(2).add_(1)
+    assert torch.ops.aten.add_.Tensor in recording.ops
+
+
 # ----- tests and bench only -----
 
 def test_mem_tracker_counts_parameters_and_gradients_by_category():
@@ -357,20 +373,3 @@ def test_mem_tracker_counts_parameters_and_gradients_by_category():
     by_category = tracker.get_tracker_snapshot()[torch.device("cpu")]
     assert by_category["Parameter"] == by_category["Gradient"] == 20 * 4  # 16 weights and 4 biases, fp32
     assert tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] > 0
-
-
-def test_torch_dispatch_mode_sees_every_aten_call():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recording(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Recording() as recording:
-        torch.ones(2).add_(1)
-    assert torch.ops.aten.add_.Tensor in recording.ops

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from shardwise.torch_internals import TorchDispatchMode
 
 import shardwise as sw
 from shardwise.parallel.zero1 import shares

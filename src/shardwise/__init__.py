@@ -48,6 +48,8 @@ _EXPORTS = {
     "configured_scheduler": "api.configured",
     "configured_batch_size": "api.configured",
     "Job": "launcher.job",
+    "metrics": "observe",
+    "progress": "observe.progress",
     **{name: "runtime.ranks" for name in (
         "rank", "local_rank", "size", "local_size", "dp_rank", "dp_size", "tp_rank", "tp_size", "pp_rank", "pp_size",
         "rdp_rank", "rdp_size", "get_world_process_group", "get_dp_process_group", "get_rdp_process_group",

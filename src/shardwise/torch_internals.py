@@ -19,8 +19,7 @@ still called):
   schedules' backward hand-over in evaluation.
 
 Used by tests and `bench/` only, and checked by the smoke tests all the same:
-`torch.distributed._tools.mem_tracker.MemTracker` (memory per category) and
-`torch.utils._python_dispatch.TorchDispatchMode` (collectives as they run).
+`torch.distributed._tools.mem_tracker.MemTracker` (memory per category).
 """
 
 from __future__ import annotations
@@ -46,6 +45,10 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 # them), for the pipeline's module-graph cut (parallel/pipeline/graph_cut.py). No public equivalent in 2.13.
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+# The ops a step runs, c10d collectives included, as they dispatch: observe/comms.py's log of every collective.
+# Public candidate: torch.distributed's CommDebugMode (counts only, no bytes or times per op, no groups).
+from torch.utils._python_dispatch import TorchDispatchMode
+
 # Nested containers (a Hugging Face ModelOutput included, which transformers registers here).
 # No public pytree module in torch 2.13, though torch's own distributed code uses this one throughout.
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
@@ -53,7 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_on
 __all__ = [
     "FakeTensorMode", "at_backward_end", "children_table", "clear_dtensor_caches", "flatten_mesh",
     "flight_recorder_trace", "process_groups", "replicate", "set_group_timeout",
-    "strided_shard", "style_input_fn", "style_output_fn",
+    "strided_shard", "style_input_fn", "style_output_fn", "TorchDispatchMode",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
     "unscale_and_check_", "version",
 ]

@@ -77,21 +77,22 @@ def main() -> None:
     dataset = successor_dataset(args.steps * args.batch_size * sw.dp_size(), args.seq_len)
     progress(args.steps, every=args.log_every)  # rank 0: step, loss, step time, throughput, ETA
     losses, records = [], []
-    for step, (input_ids, labels) in enumerate(sw.data_loader(dataset, batch_size=args.batch_size), start=1):
+    for input_ids, labels in sw.data_loader(dataset, batch_size=args.batch_size):
         optimizer.zero_grad()
-        train_step(model, input_ids, labels).reduce_mean()
+        losses.append(train_step(model, input_ids, labels).reduce_mean().item())  # this rank's, as progress shows
         optimizer.step()
-        records.append(metrics.latest())  # every step is recorded (metrics_interval 1)
-        if step == 1 or step % args.log_every == 0 or step == args.steps:
-            losses.append(records[-1]["loss"])  # rank 0's, as its progress lines show
+        if (record := metrics.latest()) is not None and record not in records[-1:]:  # none with metrics_interval 0
+            records.append(record)
 
     if sw.rank() == 0:
+        summary = f"done: {len(losses)} steps on {sw.size()} ranks (dp {sw.dp_size()}); loss {losses[0]:.3f} → " \
+                  f"{losses[-1]:.3f} (ln {VOCAB} = {math.log(VOCAB):.2f})"
         steady = records[1:] or records  # the first step pays for warm-up
-        mean = sum(r["step_time_s"] for r in steady) / len(steady)
-        tokens = sum(r["tokens_per_s"] for r in steady) / len(steady)
-        print(f"done: {args.steps} steps on {sw.size()} ranks (dp {sw.dp_size()}); loss {losses[0]:.3f} → "
-              f"{losses[-1]:.3f} (ln {VOCAB} = {math.log(VOCAB):.2f}); mean step {mean * 1e3:.0f} ms; "
-              f"{tokens:,.0f} tokens/s", flush=True)
+        if steady:
+            mean = sum(r["step_time_s"] for r in steady) / len(steady)
+            tokens = sum(r["tokens_per_s"] for r in steady) / len(steady)
+            summary += f"; mean step {mean * 1e3:.0f} ms; {tokens:,.0f} tokens/s"
+        print(summary, flush=True)
     sw.shutdown()
 
 

@@ -21,9 +21,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..torch_internals import tree_leaves
+from ..torch_internals import TorchDispatchMode, tree_leaves
 
 # op name (c10d's or the functional one's) -> (collective, index of the argument whose bytes count)
 _COLLECTIVES = {
