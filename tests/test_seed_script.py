@@ -1,8 +1,8 @@
 """The seed article's script (examples/seed_vit.py, a tiny ViT) trains under `shardwise run` with MiCS.
 
 A real user's command in a fresh process: the launcher starts 4 CPU ranks,
-hands `--set sharded_data_parallel_degree=2` to `sw.init()` in each, and the
-loss falls.
+hands the seed's whole config with MiCS groups of 2 (and SMP's activation
+offloading keys) to `sw.init()` in each, and the loss falls.
 """
 
 from __future__ import annotations
@@ -20,17 +20,23 @@ SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "seed_vit.py"
 TINY = ["--image-size", "16", "--patch-size", "4", "--hidden-size", "32", "--layers", "2", "--heads", "2",
         "--num-labels", "4", "--lr", "3e-3"]
 
+# seed 000's parameters (ddp, sharded_data_parallel_degree, delayed_parameter_initialization) with MiCS groups of 2,
+# and seed 001's activation offloading
+SEED_CONFIG = ["--set", "ddp=true", "--set", "sharded_data_parallel_degree=2", "--set", "offload_activations=true",
+               "--set", "activation_loading_horizon=2", "--set", "delayed_parameter_initialization=true"]
+
 
 def test_seed_vit_trains_with_mics_under_shardwise_run(tmp_path):
     command = shutil.which("shardwise", path=os.path.dirname(sys.executable)) or shutil.which("shardwise")
     result = subprocess.run(
-        [command, "run", "--nproc-per-node", "4", "--set", "sharded_data_parallel_degree=2",
-         "--run-dir", str(tmp_path / "run"), str(SCRIPT), "--steps", "20", *TINY],
+        [command, "run", "--nproc-per-node", "4", *SEED_CONFIG, "--run-dir", str(tmp_path / "run"), str(SCRIPT),
+         "--steps", "20", *TINY],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "layout: pp=1 × dp_replicate=2 × dp_shard=2 × tp=1" in out  # the launcher's check
-    assert "training on 4 ranks (4 data-parallel) with {'sharded_data_parallel_degree': 2}" in out  # what init got
+    assert ("training on 4 ranks (4 data-parallel) with {'sharded_data_parallel_degree': 2, 'offload_activations': "
+            "True, 'activation_loading_horizon': 2, 'delayed_parameter_initialization': True}") in out  # init's
     losses = [float(x) for x in re.findall(r"^step: \d+: loss (\S+),", out, flags=re.M)]
     assert len(losses) == 20
     assert all(math.isfinite(loss) for loss in losses)
