@@ -123,7 +123,6 @@ def refused(config: dict) -> str:
 GRAPH_REFUSALS = [
     ({**PP2, "tensor_parallel_degree": 2}, "tensor parallelism cannot split"),
     ({**PP2, "pipeline_schedule": "interleaved_1f1b"}, "the module-graph pipeline cut runs one"),
-    ({**PP2, "bf16": True}, "captures the forward in fp32 only so far"),
 ]
 
 

@@ -61,9 +61,6 @@ def graph_cut_problems(c: ShardwiseConfig) -> Iterable[Problem]:
     if c.stages_per_rank > 1:
         yield Problem("pipeline_schedule", c.pipeline_schedule, f"runs {c.stages_per_rank} stages per rank; {why} "
                       "runs one", "use gpipe or 1f1b")
-    if c.dtype_name != "fp32":
-        yield Problem(c.dtype_name, True, f"{why} captures the forward in fp32 only so far", "train in fp32 with "
-                      "this cut, or hold the model's layers in an nn.ModuleList (pipeline_cut blocks)")
 
 
 def pipeline_problems(c: ShardwiseConfig) -> Iterable[Problem]:

@@ -14,6 +14,7 @@ the optimizers bound to it are bound again to this rank's stage.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from collections import defaultdict
@@ -29,6 +30,9 @@ from ...config.errors import ConfigError
 from ...config.pipeline import graph_cut_problems
 from ...config.schema import ShardwiseConfig
 from ...runtime.mesh import ParallelMesh
+from ...topology.decisions import PrecisionMode, precision_mode
+from ...torch_internals import FakeTensorMode, tree_map_only
+from .. import precision
 from ..materialize import place
 from ..strategy import OptimizerUpdate, Pieces, Strategy
 from .. import checkpointing  # the module, not its names: it imports this package (for Elsewhere) in turn
@@ -40,6 +44,7 @@ from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
 from .ties import TiedWeights
 
 _DEFAULT_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}  # SMP's, by its `optimize`
+_STAGE_DTYPE = (PrecisionMode.CAST, PrecisionMode.STORED)  # the stage's parameters are in the compute dtype
 
 
 def memory_weight(config: ShardwiseConfig) -> float:
@@ -55,15 +60,23 @@ def check_graph_layout(config: ShardwiseConfig, model: nn.Module) -> None:
                                                f"so {problem.rule}") for problem in problems])
 
 
-def _distinct(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The inputs with a tensor passed twice (labels=input_ids) cloned: captured, one would be read for both."""
-    seen: set[int] = set()
-    distinct = {}
-    for name, value in inputs.items():
-        duplicate = isinstance(value, torch.Tensor) and id(value) in seen
-        seen.add(id(value))
-        distinct[name] = value.clone() if duplicate else value
-    return distinct
+def _capture_copy(model: nn.Module, inputs: dict[str, Any], dtype: Optional[torch.dtype]) -> tuple[nn.Module, dict]:
+    """`model` and one microbatch's `inputs` as fake tensors (no memory) on their devices, floating parameters and
+    inputs in `dtype` (None: as they are), as a stage computes: torch.export bakes the capture's dtypes and devices
+    into the graph (checks and casts), so it must see what the run sees. A copy, so no weight is rounded and the
+    model's tensors keep no reference from the capture (ZeRO-1's `torch.utils.swap_tensors` refuses one). Each input is a tensor of its own (a tensor passed twice,
+    labels=input_ids, would be captured as one)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(value: torch.Tensor, cast: bool) -> torch.Tensor:  # made from the shape: converting leaves a weakref
+        into = dtype if cast and dtype is not None and value.is_floating_point() else value.dtype
+        return torch.empty_strided(value.shape, value.stride(), dtype=into, device=value.device)
+
+    with mode:
+        memo: dict[int, Any] = {id(t): fake(t, cast=False) for t in model.buffers()}  # buffers keep their dtype
+        memo.update({id(p): nn.Parameter(fake(p, cast=True), p.requires_grad) for p in model.parameters()})
+        faked = tree_map_only(torch.Tensor, lambda t: fake(t, cast=True), inputs)
+    return copy.deepcopy(model, memo), faked
 
 
 class _DeferredUpdate:
@@ -157,8 +170,10 @@ class GraphPipeline(Strategy):
         ranks = stage_ranks(config.pipeline_schedule, stages, stages)
         if dist.get_rank() == 0:
             print(cut.describe(ranks), flush=True)
+        dtype = precision.compute_dtype(config) if precision_mode(config, self.mesh.layout) in _STAGE_DTYPE else None
+        fake_model, fake_inputs = _capture_copy(whole, inputs, dtype)
         pipe = captured(whole, "export", lambda: pipeline(
-            whole, mb_args=(), mb_kwargs=_distinct(inputs),
+            fake_model, mb_args=(), mb_kwargs=fake_inputs,
             split_spec={point: SplitPoint.BEGINNING for point in cut.split_points}))
         if pipe.num_stages != stages:
             raise RuntimeError(f"torch split {type(whole).__name__} into {pipe.num_stages} stages at "
@@ -190,27 +205,28 @@ def _tied_groups(replicated: list[dict[str, str]], stage_modules: list[str]) -> 
 
 
 def _as_in_model(stage: nn.Module, whole: nn.Module) -> None:
-    """Give the stage's tensors every name they have in the model, and its buffers the model's persistence, so its
-    state dicts read as the model's. torch keeps one name per tensor, turns non-persistent buffers persistent, and
-    gives each stage that uses a shared parameter a copy under the name it uses, while the stage's other names for
-    it still hold the original: they all take the copy, so the stage holds one tensor for it, as the model did."""
+    """Give the stage (captured from a meta copy) the model's own tensors, under every name each has in the model,
+    and its buffers the model's persistence, so its state dicts read as the model's. torch keeps one name per
+    tensor and turns non-persistent buffers persistent; a parameter several stages use is one tensor on each, under
+    every name, as in the model."""
     names: dict[int, list[str]] = defaultdict(list)
     for name, tensor in [*whole.named_parameters(remove_duplicate=False), *whole.named_buffers(remove_duplicate=False)]:
         names[id(tensor)].append(name)
-    held: dict[int, torch.Tensor] = {}
-    for name, tensor in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]:
+    for name, _ in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]:
         original = _tensor(whole, name)
-        if original is not None and (id(original) not in held or held[id(original)] is original):
-            held[id(original)] = tensor  # torch's copy over the original
-    for key, tensor in held.items():
-        for name in names[key]:
-            path, _, leaf = name.rpartition(".")
+        for alias in names[id(original)] if original is not None else []:
+            path, _, leaf = alias.rpartition(".")
             owner = _module_at(stage, path)
-            if isinstance(tensor, nn.Parameter):
-                setattr(owner, leaf, tensor)
+            if isinstance(original, nn.Parameter):
+                setattr(owner, leaf, original)
             else:
                 persistent = leaf not in whole.get_submodule(path)._non_persistent_buffers_set
-                owner.register_buffer(leaf, tensor, persistent=persistent)
+                owner.register_buffer(leaf, original, persistent=persistent)
+    made = [name for name, t in [*stage.named_parameters(), *stage.named_buffers()] if id(t) not in names]
+    if made:
+        raise RuntimeError(f"pipeline parallelism captured {type(whole).__name__}'s forward with a tensor it makes "
+                           f"itself ({made[0]}), which the stage cannot recompute; fix: register it as a buffer of "
+                           "the module (register_buffer), or set pipeline_cut: blocks")
 
 
 def _tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
