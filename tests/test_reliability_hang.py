@@ -8,7 +8,8 @@ sequence number and says rank 1 never joined; both ranks leave a report with the
 collectives and stacks. Without it, the watched run trains as one plain process and ends cleanly.
 The script saves checkpoint step1 after the first step and step2, asynchronously, after the second,
 so that it may still be being written as the hang begins; after the job ends both are complete and
-read back as saved.
+read back as saved. Groups of the mesh and groups shardwise makes after init (the checkpoint group)
+wait `collective_timeout_seconds` too, not torch's 30 minutes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.checkpoint.coordination import checkpoint_group
 from shardwise.cli import main
 from shardwise.runtime import state
 from shardwise.runtime.hang_report import is_collective_timeout
@@ -110,10 +112,8 @@ def test_a_rank_that_skips_a_collective_is_named_within_the_timeout(tmp_path, ca
     assert_checkpoints_intact(tmp_path / "ckpt", torch.load(tmp_path / "saved.pt"), tmp_path)
 
 
-def _time_a_tensor_parallel_collective_rank_1_skips() -> dict:
-    """Rank 0 all-reduces in its tensor-parallel group (ranks 0 and 1, a group of the mesh) while rank 1 sleeps."""
-    sw.init({"tensor_parallel_degree": 2, "collective_timeout_seconds": TIMEOUT})
-    group = state.current().mesh["tp"].get_group()
+def _rank_0_all_reduces_while_rank_1_sleeps(group: dist.ProcessGroup, sleep: float) -> dict:
+    """Whether rank 0's all-reduce in `group` timed out while rank 1 slept `sleep` s, and after how long."""
     result = {"ranks": dist.get_process_group_ranks(group)}
     if dist.get_rank() == 0:
         start = time.monotonic()
@@ -122,9 +122,21 @@ def _time_a_tensor_parallel_collective_rank_1_skips() -> dict:
         except RuntimeError as error:
             result.update(timed_out=is_collective_timeout(error), seconds=time.monotonic() - start)
     elif dist.get_rank() == 1:
-        time.sleep(3 * TIMEOUT)
+        time.sleep(sleep)
     sw.shutdown(wait=False)
     return result
+
+
+def _time_a_tensor_parallel_collective_rank_1_skips() -> dict:
+    """Rank 0 all-reduces in its tensor-parallel group (ranks 0 and 1, a group of the mesh) while rank 1 sleeps."""
+    sw.init({"tensor_parallel_degree": 2, "collective_timeout_seconds": TIMEOUT})
+    return _rank_0_all_reduces_while_rank_1_sleeps(state.current().mesh["tp"].get_group(), 3 * TIMEOUT)
+
+
+def _time_a_checkpoint_group_collective_rank_1_skips() -> dict:
+    """The same in the checkpoint group, which shardwise makes after init."""
+    sw.init({"collective_timeout_seconds": TIMEOUT})
+    return _rank_0_all_reduces_while_rank_1_sleeps(checkpoint_group(state.current()), 3 * TIMEOUT)
 
 
 def test_mesh_groups_wait_the_configured_timeout_not_torchs_default():
@@ -132,3 +144,9 @@ def test_mesh_groups_wait_the_configured_timeout_not_torchs_default():
     first = run_distributed(_time_a_tensor_parallel_collective_rank_1_skips, 4, timeout=120)[0]
     assert first["ranks"] == [0, 1] and first["timed_out"], first
     assert TIMEOUT <= first["seconds"] < 2 * TIMEOUT, first
+
+
+def test_groups_made_after_init_wait_the_configured_timeout():
+    """torch's new_group would wait 30 minutes; the checkpoint group waits collective_timeout_seconds."""
+    first = run_distributed(_time_a_checkpoint_group_collective_rank_1_skips, 2, timeout=120)[0]
+    assert first["timed_out"] and TIMEOUT <= first["seconds"] < 2 * TIMEOUT, first
