@@ -133,6 +133,19 @@ def check_state(per_kind: tuple[dict, ...], want: dict, tolerance: float = TOLER
         assert errors[worst] <= tolerance, f"{r['kind']} rank {rank}: {worst} differs by {errors[worst]:.2e}"
 
 
+def assert_piped_trains_as_flat(config: dict, flat_config: dict, **options) -> list[tuple[tuple[dict, ...], dict]]:
+    """`train_all` on 4 ranks with `config` (pp 2) against 2 ranks with `flat_config` (no pipeline, same precision):
+    the same losses and, within 2e-3, the same state per kind. Returns (pipelined ranks, flat rank 0) per kind."""
+    piped = run_distributed(train_all, 4, config, timeout=300, **options)
+    flat = run_distributed(train_all, 2, flat_config, timeout=300, **options)
+    pairs = []
+    for per_kind, plain in zip(zip(*piped), zip(*flat)):
+        torch.testing.assert_close(mean_losses(holders(config, per_kind)), mean_losses(list(plain)), rtol=1e-5, atol=0)
+        check_state(per_kind, plain[0]["state"], tolerance=2e-3)
+        pairs.append((per_kind, plain[0]))
+    return pairs
+
+
 def check(config: dict, ranks: list[list[dict]], want: dict | None = None) -> None:
     """Every rank's results for one config against the plain process (`want` by kind, else `reference`)."""
     for per_kind in zip(*ranks):

@@ -20,7 +20,7 @@ import shardwise as sw
 from shardwise.config import ConfigError
 from shardwise.parallel.materialize import materialize
 from shardwise.testing import run_distributed
-from test_pipeline import KINDS, LAYERS, PP2, ROWS, check, check_state, holders, mean_losses, train_all
+from test_pipeline import KINDS, LAYERS, PP2, ROWS, assert_piped_trains_as_flat, check, train_all
 from tiny_models import SEED, build, dataset, make_optimizer, seed_step, train_reference
 
 PRECISIONS = {  # precision: data-parallel mode on both sides (2 ranks each)
@@ -35,13 +35,7 @@ def test_mixed_precision_matches_the_same_precision_without_pipeline(precision):
     recomputed in backward."""
     common = {precision: True, "microbatches": 2, **PRECISIONS[precision]}
     checkpointing = precision == "bf16"
-    config = {**PP2, **common}
-    piped = run_distributed(train_all, 4, config, checkpointing=checkpointing, timeout=300)
-    flat = run_distributed(train_all, 2, common, checkpointing=checkpointing, timeout=300)
-    for per_kind, plain in zip(zip(*piped), zip(*flat)):
-        found = holders(config, per_kind)
-        torch.testing.assert_close(mean_losses(found), mean_losses(list(plain)), rtol=1e-5, atol=0)
-        check_state(per_kind, plain[0]["state"], tolerance=2e-3)
+    for per_kind, _ in assert_piped_trains_as_flat({**PP2, **common}, common, checkpointing=checkpointing):
         for r in per_kind:
             assert r["dtypes"] == [str(torch.bfloat16 if precision == "bf16" else torch.float16)]
             assert all(t.dtype == torch.float32 for t in r["state"].values())

@@ -9,10 +9,8 @@ precision and data-parallel mode (the same losses, parameters within the roundin
 from __future__ import annotations
 
 import pytest
-import torch
 
-from shardwise.testing import run_distributed
-from test_pipeline import PP2, check_state, holders, mean_losses, train_all
+from test_pipeline import PP2, assert_piped_trains_as_flat
 
 MODES = {  # name: (data-parallel mode on both sides, kinds)
     "cast-zero2": ({"zero_stage": 2, "sharded_data_parallel_degree": 2}, ("cnn", "gpt2")),
@@ -24,12 +22,6 @@ MODES = {  # name: (data-parallel mode on both sides, kinds)
 def test_bf16_matches_bf16_without_a_pipeline(mode):
     extra, kinds = MODES[mode]
     common = {"bf16": True, "microbatches": 2, **extra}
-    config = {**PP2, "pipeline_cut": "graph", **common}
-    piped = run_distributed(train_all, 4, config, kinds=kinds, timeout=300)
-    flat = run_distributed(train_all, 2, common, kinds=kinds, timeout=300)
-    for per_kind, plain in zip(zip(*piped), zip(*flat)):
-        found = holders(config, per_kind)
-        torch.testing.assert_close(mean_losses(found), mean_losses(list(plain)), rtol=1e-5, atol=0)
-        check_state(per_kind, plain[0]["state"], tolerance=2e-3)
-        stored = {name: t.dtype for name, t in plain[0]["state"].items()}  # ZeRO-1 keeps bf16, its masters fp32
+    for per_kind, plain in assert_piped_trains_as_flat({**PP2, "pipeline_cut": "graph", **common}, common, kinds=kinds):
+        stored = {name: t.dtype for name, t in plain["state"].items()}  # ZeRO-1 keeps bf16, its masters fp32
         assert all({name: t.dtype for name, t in r["state"].items()} == stored for r in per_kind)
