@@ -408,7 +408,7 @@ def _moves(got: Optional[dict], want: dict, order: tuple[str, str]) -> str:
             f"({want[first] / 1e6:,.1f} / {want[second] / 1e6:,.1f})")
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, memory_gib: float) -> None:
     """Bars: the largest model trained per layout and variant; dots: the planner's largest."""
     import matplotlib
 
@@ -428,7 +428,7 @@ def plot(rows: list[dict], path: str) -> None:
                    label="planner's largest" if k == 0 else None)
     ax.set_xticks(range(len(layouts)), layouts)
     ax.set_ylabel("parameters (millions)")
-    ax.set_title(f"Largest GPT-2 that trains on {RANKS} CPU ranks sharing this machine's memory")
+    ax.set_title(f"Largest GPT-2 that trains on {RANKS} CPU ranks sharing {memory_gib:g} GiB")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -490,7 +490,7 @@ def main(argv=None) -> None:
     print("\n" + table(rows) + "\n\nBytes moved per step by the offload options (rank 0; planner beside)\n\n"
           + moves_table(rows))
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, args.memory_gib)
 
 
 if __name__ == "__main__":
