@@ -105,7 +105,7 @@ def config_of(layout: str, variant: str) -> dict:
 
 
 def checkpointing_of(variant: str) -> str:
-    return "none" if variant == "plain" else "per_layer"
+    return "none" if variant == "plain" else "each"
 
 
 # ------------------------------------------------------------------------------------------ one trial, per rank

@@ -5,6 +5,7 @@ DDP, FSDP2's ZeRO-2), the tests state shardwise's numbers and the difference; do
 explains both.
 """
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -12,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardwise.config import parse_config
-from shardwise.planner import (Kernels, block_activations, cluster_preset, model_state_bytes, plan, predict_memory,
+from shardwise.planner import (Kernels, PlanError, block_activations, cluster_preset, model_state_bytes, plan, predict_memory,
                                rank_activations, resolve_model)
-from shardwise.planner.activations import Numerics, edge_activations
+from shardwise.planner.activations import Numerics, distinct_strategies, edge_activations, logits_bytes
 from shardwise.planner.memory import in_flight_microbatches
 from shardwise.planner.wrapping import gathered_bytes, optimizer_share, reduce_buckets
 from shardwise.topology import Cluster, Layout, layout_for
@@ -157,13 +158,26 @@ def _acts(spec, **kw):
     return rank_activations(spec, **{**base, **kw})
 
 
-def test_checkpointing_keeps_block_inputs_and_recomputes_one_group():
+@pytest.mark.parametrize("strategy, blocks", [("each", 1), ("group_2", 2), ("group_4", 4), ("contiguous", None)])
+def test_checkpointing_keeps_region_inputs_and_recomputes_one_region_after_the_head(strategy, blocks):
+    """SMP's strategies: L/k kept inputs, and k blocks recomputed once backward has freed the logits."""
     spec = resolve_model("gpt2-10b")
     tokens, h, layers = 2 * 512, spec.hidden, spec.layers
+    blocks = blocks or layers
     block = block_activations(spec, 512, Numerics(2)).per_rank(1) * tokens
-    edges = _acts(spec).device - layers * block
-    assert _acts(spec, checkpointing="per_layer").device == pytest.approx(layers * h * 2 * tokens + block + edges)
-    assert _acts(spec, checkpointing="group_2").device == pytest.approx(layers / 2 * h * 2 * tokens + 2 * block + edges)
+    first, last = edge_activations(spec, Numerics(2))
+    first, last = first * tokens, (last + logits_bytes(spec, Numerics(2))) * tokens
+    assert _acts(spec).device == pytest.approx(layers * block + first + last)
+    kept = math.ceil(layers / blocks) * h * 2 * tokens
+    assert _acts(spec, checkpointing=strategy).device == pytest.approx(kept + first + max(last, blocks * block))
+
+
+def test_strategies_are_smps_names():
+    with pytest.raises(PlanError, match=r"activation checkpointing 'per_layer': use 'none' or one of SMP's"):
+        _acts(resolve_model("gpt2-10b"), checkpointing="per_layer")
+    assert distinct_strategies(24) == ["none", "each", "contiguous", "group_2", "group_4"]
+    assert distinct_strategies(2) == ["none", "each", "contiguous"]          # group_2 and group_4 are the whole run
+    assert distinct_strategies(24, groups=False) == ["none", "each"]     # a ModuleList, a module-graph cut
 
 
 @pytest.mark.parametrize("settings, in_flight", [
@@ -193,8 +207,8 @@ def test_pipeline_stage_zero_holds_the_in_flight_microbatches():
 
 def test_offload_moves_kept_inputs_to_the_host():
     spec = resolve_model("gpt2-10b")
-    kept = _acts(spec, pp=2, in_flight=2, checkpointing="per_layer")
-    offloaded = _acts(spec, pp=2, in_flight=2, checkpointing="per_layer", offload=True, loading_horizon=4)
+    kept = _acts(spec, pp=2, in_flight=2, checkpointing="each")
+    offloaded = _acts(spec, pp=2, in_flight=2, checkpointing="each", offload=True, loading_horizon=4)
     stage_inputs = spec.stage_layers(2) * spec.hidden * 2 * 2 * 512
     assert offloaded.host == 2 * stage_inputs
     assert offloaded.device < kept.device
@@ -204,7 +218,7 @@ def test_other_is_buffers_runtime_and_fragmentation():
     spec = resolve_model("gpt2-10b")
     config = parse_config({"tensor_parallel_degree": 4, "shard_optimizer_state": True, "bf16": True})
     device = cluster_preset("p4d.24xlarge").device
-    memory = predict_memory(spec, config, layout_for(config, Cluster(16, 8)), 40, 512, "per_layer", device)
+    memory = predict_memory(spec, config, layout_for(config, Cluster(16, 8)), 40, 512, "each", device)
     summary = memory.summary()
     assert summary["other"] == memory.comm_buffers + device.runtime_reserve_bytes + memory.fragmentation
     accounted = memory.model_states + memory.gathered_params + memory.activations + memory.comm_buffers

@@ -28,7 +28,7 @@ ZERO3 = {"sharded_data_parallel_degree": 8, "bf16": True}
 
 def _memory(config: dict, device=GPU.device):
     parsed = parse_config(config)
-    return predict_memory(SPEC, parsed, layout_for(parsed, Cluster(1, 8)), 1, 512, "per_layer", device)
+    return predict_memory(SPEC, parsed, layout_for(parsed, Cluster(1, 8)), 1, 512, "each", device)
 
 
 def test_zero1_keeps_its_shares_masters_and_moments_on_the_host():
@@ -96,7 +96,7 @@ def test_offload_costs_time_on_a_gpu_and_none_on_a_cpu():
         for offload in (False, True):
             parsed = parse_config({**ZERO3, "offload_optimizer_state": offload})
             times.append(predict_step_time(SPEC, parsed, layout_for(parsed, Cluster(1, 8)), cluster, 1, 512,
-                                           "per_layer"))
+                                           "each"))
         assert (times[1].offload > 0, times[1].optimizer > times[0].optimizer) == (slower, slower)
 
 

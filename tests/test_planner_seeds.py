@@ -44,7 +44,7 @@ def _plan(name):
 @pytest.mark.parametrize("name", list(REFERENCE))
 def test_smp_degrees_fit_with_sharded_data_parallelism(name):
     result = _plan(name)
-    wanted = (REFERENCE[name]["tp"], REFERENCE[name]["pp"], "per_layer")
+    wanted = (REFERENCE[name]["tp"], REFERENCE[name]["pp"], "each")
     found = [e for e in result.fitting if (e.layout.tp, e.layout.pp, e.checkpointing) == wanted and e.zero_stage >= 2]
     assert found, f"SMP's {name} degrees are not among the {len(result.fitting)} fitting layouts"
 
@@ -53,9 +53,9 @@ def test_smp_degrees_fit_with_sharded_data_parallelism(name):
 def test_smp_reference_layout_fits(name):
     """SMP's own config, as given, fits; and the plan lists its degrees with ZeRO-1 among the fitting layouts."""
     spec, cluster, config, global_batch = _reference(name)
-    exact = evaluate(spec, cluster, config, global_batch=global_batch, checkpointing="per_layer")
+    exact = evaluate(spec, cluster, config, global_batch=global_batch, checkpointing="each")
     assert exact.fits, exact.reason
-    wanted = (REFERENCE[name]["tp"], REFERENCE[name]["pp"], "per_layer", 1)
+    wanted = (REFERENCE[name]["tp"], REFERENCE[name]["pp"], "each", 1)
     assert any((e.layout.tp, e.layout.pp, e.checkpointing, e.zero_stage) == wanted for e in _plan(name).fitting)
 
 
@@ -83,7 +83,7 @@ def test_mics_groups_of_4_beat_zero3_over_32_gpus_for_the_vit():
     """Seed 000: 8 × g4dn.12xlarge, batch 4 per GPU, fp32, per-layer checkpointing; measured ~14 % faster."""
     spec, cluster = resolve_model("vit-630m"), cluster_preset("8xg4dn.12xlarge")
     zero3, mics = (evaluate(spec, cluster, {"sharded_data_parallel_degree": g}, global_batch=128,
-                            checkpointing="per_layer") for g in (32, 4))
+                            checkpointing="each") for g in (32, 4))
     assert zero3.fits and mics.fits
     assert (zero3.layout.dp_shard, mics.layout.dp_shard, mics.layout.dp_replicate) == (32, 4, 8)
     gain = 1 - mics.step_time / zero3.step_time
@@ -118,7 +118,7 @@ def test_evaluate_refuses_what_run_refuses():
     spec, cluster, config, global_batch = _reference("gpt2-60b")
     with pytest.raises(ConfigError, match=r"^invalid shardwise config: fp16=True: bf16 and fp16 cannot both be on"):
         evaluate(spec, cluster, {**config, "bf16": True, "fp16": True}, global_batch=global_batch,
-                 checkpointing="per_layer")
+                 checkpointing="each")
 
 
 def test_any_feature_a_release_lacks_leaves_the_plan(monkeypatch):

@@ -57,11 +57,11 @@ def test_one_device_is_compute_plus_update_and_mfu_follows():
 
 
 def test_recompute_repeats_the_forward_of_the_blocks():
-    none, per_layer = (_time({"bf16": True}, checkpointing=c) for c in ("none", "per_layer"))
+    none, each = (_time({"bf16": True}, checkpointing=c) for c in ("none", "each"))
     spec = resolve_model("gpt2-10b")
     block_share = spec.forward_flops_per_token(512, spec.layers) / (spec.forward_flops_per_token(512, spec.layers)
                                                                     + spec.edge_flops_per_token())
-    assert per_layer.recompute == pytest.approx(none.compute / 3 * block_share)
+    assert each.recompute == pytest.approx(none.compute / 3 * block_share)
 
 
 def test_pipeline_bubble_is_pp_minus_one_microbatch_slots_per_round():

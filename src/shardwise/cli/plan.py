@@ -9,7 +9,7 @@ import sys
 from ..planner import (CLUSTER_PRESETS, MODEL_PRESETS, Plan, PlanError, cluster_preset, custom_cluster, plan,
                        print_plan, resolve_model, to_json, write_config)
 from ..planner.hardware import GB, GiB
-from ..planner.report import config_format
+from ..planner.report import checkpointing_call, config_format
 from .flags import positive
 
 # Cluster flags: (flag, ClusterSpec/override field, unit multiplier, type, help, required without --cluster).
@@ -83,7 +83,7 @@ def _write_best(result: Plan, path: str) -> None:
     if best is None:
         raise PlanError(f"no layout fits, so nothing was written to {path}")
     write_config(best, path)
-    print(f"wrote the best config to {path}; activation checkpointing: {best.checkpointing}; "
+    print(f"wrote the best config to {path}; activation checkpointing: {checkpointing_call(best.checkpointing)}; "
           f"data_loader batch_size: {best.batch_size}", file=sys.stderr)
 
 

@@ -14,6 +14,7 @@ way: torch keeps the input they gathered (Megatron re-gathers it in backward).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from .errors import PlanError
@@ -24,7 +25,37 @@ from .spec import ModelSpec
 _ACTIVATION_SAVES = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "relu": 0,
                      "gelu_new": 4, "quick_gelu": 2}
 _FP32 = 4
-CHECKPOINTING = {"none": 0, "per_layer": 1, "group_2": 2}  # strategy → blocks recomputed together
+# The strategies the search considers, in SMP's names for set_activation_checkpointing (plus "none").
+# A region of k blocks keeps L/k inputs and recomputes k blocks at once, least at k* = sqrt(L·input/block);
+# a block keeps some 10-40 times its input, so k* stays between 1 and 4 up to some 250 blocks a stage:
+# groups of 2 and 4 bracket it, and "contiguous" (k = L) covers shallow stages.
+CHECKPOINTING = ("none", "each", "contiguous", "group_2", "group_4")
+_GROUP = re.compile(r"group_([1-9][0-9]*)")
+
+
+def region_blocks(strategy: str, stage_layers: int) -> int:
+    """Blocks one checkpointed region spans on a stage of `stage_layers` blocks: 0 for "none", 1 for "each",
+    the stage's whole run for "contiguous", k (at most the run) for "group_k"."""
+    if strategy == "none":
+        return 0
+    if strategy == "each":
+        return 1
+    found = _GROUP.fullmatch(strategy)
+    if strategy != "contiguous" and found is None:
+        raise PlanError(f"activation checkpointing {strategy!r}: use 'none' or one of SMP's strategies 'each', "
+                        "'contiguous', 'group_<k>' (k a positive integer, e.g. 'group_2')")
+    return min(int(found.group(1)) if found else stage_layers, stage_layers)
+
+
+def distinct_strategies(stage_layers: int, groups: bool = True) -> list[str]:
+    """The strategies of CHECKPOINTING that give different regions on a stage of `stage_layers` blocks (the
+    first name of each, so "contiguous" stands for a group as long as the stage); without `groups` (blocks
+    the runtime cannot group: a ModuleList, a module-graph cut) only "none" and "each"."""
+    names = CHECKPOINTING if groups else CHECKPOINTING[:2]
+    sizes = {}
+    for name in names:
+        sizes.setdefault(region_blocks(name, stage_layers), name)
+    return list(sizes.values())
 
 
 def _mlp_tensors(spec: ModelSpec) -> int:
@@ -144,35 +175,37 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     """Peak activation bytes on the busiest pipeline stage.
 
     Stage 0 keeps `in_flight` microbatches (1F1B, capped by active_microbatches); the
-    last stage keeps one. Checkpointing keeps each group's input (with sequence
-    parallelism this rank's slice of it) and recomputes one group of one microbatch
+    last stage keeps one. Checkpointing keeps each region's input (with sequence
+    parallelism this rank's slice of it) and recomputes one region of one microbatch
     at a time; offload moves the kept inputs to the host except the
-    `loading_horizon` groups prefetched for backward. Autocast's weight copies count
-    once (only pipelines overlap microbatches, and they do not autocast), for the
-    blocks only while their group is recomputed.
+    `loading_horizon` regions prefetched for backward. The first recompute starts
+    once backward has passed the head, which frees the logits: so the peak is the
+    larger of the head's tensors and one region's, not their sum. Autocast's weight
+    copies count once (only pipelines overlap microbatches, and they do not
+    autocast), for the blocks only while their region is recomputed.
     """
     tokens = micro_batch * seq
     if spec.graph_stages(pp):
         return _graph_stage_activations(spec, tokens, numerics, pp, in_flight, checkpointing)
     block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel) * tokens
     layers = spec.stage_layers(pp)
-    group = CHECKPOINTING[checkpointing]
-    stored, host, once = float(layers * block), 0.0, 0.0
+    group = region_blocks(checkpointing, layers)
+    stored, host, recompute = float(layers * block), 0.0, 0.0
     copied_layers = layers
     if group:
-        groups = math.ceil(layers / group)
-        group_input = spec.hidden * numerics.residual_bytes * tokens / (tp if sequence_parallel else 1)
-        copied_layers = min(group, layers)
-        stored, once = groups * group_input, copied_layers * block   # recompute: one group at a time
+        regions = math.ceil(layers / group)
+        region_input = spec.hidden * numerics.residual_bytes * tokens / (tp if sequence_parallel else 1)
+        copied_layers = group
+        stored, recompute = regions * region_input, group * block
         if offload:
-            stored, host, once = 0.0, stored, once + min(groups, loading_horizon) * group_input
+            stored, host, recompute = 0.0, stored, recompute + min(regions, loading_horizon) * region_input
     edges = spec.stage_parameters(pp) - layers * spec.layer_parameters
-    once += numerics.weight_copies * (edges + copied_layers * spec.layer_parameters) / tp
+    copies = numerics.weight_copies * (edges + copied_layers * spec.layer_parameters) / tp
     first, last = edge_activations(spec, numerics, kernels)
     first, last = first * tokens, (last + logits_bytes(spec, numerics) / tp) * tokens
     if pp == 1:
-        return ActivationMemory(stored + first + last + once, host)
-    busiest = max(in_flight * (stored + first), stored + last) + once
+        return ActivationMemory(stored + first + max(last, recompute) + copies, host)
+    busiest = max(in_flight * (stored + first) + recompute, stored + max(last, recompute)) + copies
     return ActivationMemory(busiest, in_flight * host)
 
 
@@ -183,10 +216,11 @@ def _graph_stage_activations(spec: ModelSpec, tokens: int, numerics: Numerics, p
     stages = spec.graph_stages(pp)
     scale = tokens * numerics.compute / _FP32
     received = [0.0] + [s.output_elements * _FP32 for s in stages[:-1]]  # per token, in fp32 like saved_bytes
+    checkpointed = region_blocks(checkpointing, 1) > 0   # a stage's graph is one region
     busiest = 0.0
     for index, (stage, kept_input) in enumerate(zip(stages, received)):
         held = max(1, in_flight - index)
-        if CHECKPOINTING[checkpointing]:
+        if checkpointed:
             busiest = max(busiest, (held * kept_input + stage.saved_bytes) * scale)
         else:
             busiest = max(busiest, held * stage.saved_bytes * scale)

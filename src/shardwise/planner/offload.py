@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
-from .activations import CHECKPOINTING
+from .activations import region_blocks
 from .hardware import DeviceSpec
 from .spec import ModelSpec
 from .wrapping import FP32_BYTES, compute_bytes, fully_sharded, optimizer_share, stored_bytes
@@ -68,7 +68,7 @@ def activation_transfers(spec: ModelSpec, config: ShardwiseConfig, layout: Layou
                          checkpointing: str, device: Optional[DeviceSpec]) -> Transfers:
     """Bytes the busiest stage moves per step for offloaded activations: every region's kept input (the block
     input of `micro_batch` × `seq` tokens) out in forward and back in backward, every microbatch."""
-    group = CHECKPOINTING[checkpointing]
+    group = region_blocks(checkpointing, spec.stage_layers(layout.pp))
     if not (config.offload_activations and group and moves_to_host(device)):
         return Transfers(0.0, 0.0)
     regions = config.microbatches * -(-spec.stage_layers(layout.pp) // group)

@@ -30,6 +30,13 @@ def strategy(e: Evaluation) -> str:
     return f"ZeRO-{stage}"
 
 
+def checkpointing_call(strategy: str) -> str:
+    """A plan's checkpointing strategy as the call a training script makes (groups need an nn.Sequential)."""
+    if strategy == "none":
+        return "none"
+    return f'sw.set_activation_checkpointing(blocks, strategy="{strategy}")'
+
+
 def _sharding(e: Evaluation) -> str:
     """`strategy`, `offload` added when the optimizer's states live in host memory."""
     return strategy(e) + (" offload" if e.config.get("offload_optimizer_state") else "")

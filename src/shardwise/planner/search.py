@@ -1,7 +1,7 @@
 """Enumerate configurations for a model on a cluster, predict each, keep the fitting ones ranked.
 
 A *layout considered* is one choice of degrees (tp, pp, MiCS group), ZeRO stage and
-checkpointing strategy. For each, the microbatch count, activation and optimizer-state
+checkpointing strategy (SMP's names: activations.CHECKPOINTING). For each, the microbatch count, activation and optimizer-state
 offload and sequence parallelism are chosen here: the fastest variant that fits, else
 the one needing the least memory (whose overflow `--explain` reports). Offloading is
 slower, so it is proposed only where it makes a layout fit, and never on a device
@@ -20,7 +20,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional, Union
 from ..config import ConfigError, Problem, ShardwiseConfig
 from ..topology import Layout
 from ..topology.layout import validate
-from .activations import CHECKPOINTING
+from .activations import distinct_strategies
 from .errors import PlanError
 from .hardware import GiB, ClusterSpec
 from .memory import MemoryBreakdown, predict_memory
@@ -272,10 +272,10 @@ def _considered(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: i
                 else:
                     sequence = (False, True)
             for stage, group in _sharding_choices(dp):
-                for checkpointing, blocks in CHECKPOINTING.items():
-                    if blocks <= spec.stage_layers(pp):
-                        yield _best_variant(spec, cluster, _Choice(tp, pp, stage, group, checkpointing, sequence),
-                                            global_batch // dp, seq, precision)
+                groups = spec.sequential_blocks and not spec.graph_stages(pp)
+                for checkpointing in distinct_strategies(spec.stage_layers(pp), groups):
+                    yield _best_variant(spec, cluster, _Choice(tp, pp, stage, group, checkpointing, sequence),
+                                        global_batch // dp, seq, precision)
 
 
 def _rank_key(e: Evaluation) -> tuple:

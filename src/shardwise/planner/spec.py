@@ -71,6 +71,8 @@ class ModelSpec:
     embedding_saved_elements: float = 0.0  # kept per token by the embedding for backward (ViT pixels, BERT's LayerNorm)
     head_saved_elements: float = 0.0       # kept per token by the final norm / head transform, before the logits
     traced: Optional[Traced] = None        # measured costs, in place of the transformer formulas
+    sequential_blocks: bool = False        # the blocks are an nn.Sequential, whose runs set_activation_checkpointing
+                                           # can group (Hugging Face models call a ModuleList's blocks one by one)
 
     def graph_stages(self, pp: int) -> tuple[StageCost, ...]:
         """The module-graph cut into `pp` stages, for a traced model without a block list; else ()."""

@@ -95,6 +95,11 @@ def _block_list(model: nn.Module) -> Optional[Blocks]:
         return None
 
 
+def _groupable(blocks: nn.Module) -> bool:
+    """Whether set_activation_checkpointing can group these blocks: an nn.Sequential running them in turn."""
+    return isinstance(blocks, nn.Sequential) and type(blocks).forward is nn.Sequential.forward
+
+
 def spec_from_module(model: nn.Module, name: str, inputs: dict[str, Any], seq: int) -> ModelSpec:
     """The spec of `model` from one traced forward of `inputs` (`TRACE_BATCH` samples of `seq` positions)."""
     root, _ = captured(model, "trace", lambda: trace_calls(model, inputs))
@@ -120,4 +125,4 @@ def spec_from_module(model: nn.Module, name: str, inputs: dict[str, Any], seq: i
     return ModelSpec(**shape, hidden=hidden, layers=blocks.count,
                      layer_tensors=_tensors(model, [f"{blocks.path}.0"]),
                      embedding_tensors=_tensors(model, blocks.before), head_tensors=_tensors(model, blocks.after),
-                     traced=traced)
+                     traced=traced, sequential_blocks=_groupable(model.get_submodule(blocks.path)))
