@@ -25,17 +25,16 @@ inputs a region keeps go to host memory until backward needs them
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any, Callable, Optional
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..config.strategies import checkpointing_group_size
 from .activation_offload import offloaded_region
 from .pipeline.stage import Elsewhere
 
 _MARK = "_shardwise_checkpointed"  # holds how: (layers per region, None for every run it holds; preserve_rng_state)
-_GROUP = re.compile(r"group_([1-9][0-9]*)")
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -97,15 +96,10 @@ def apply_activation_checkpointing(module: nn.Module, preserve_rng_state: bool =
 
 def group_size(strategy: str) -> Optional[int]:
     """Layers per region for SMP's strategy name: 1 for "each", None (all) for "contiguous", k for "group_k"."""
-    if strategy == "each":
-        return 1
-    if strategy == "contiguous":
-        return None
-    found = _GROUP.fullmatch(strategy) if isinstance(strategy, str) else None
-    if found is None:
-        raise ValueError(f"set_activation_checkpointing: strategy must be 'each', 'contiguous' or 'group_<k>' "
-                         f"with k a positive integer (e.g. 'group_2'), got {strategy!r}")
-    return int(found.group(1))
+    try:
+        return checkpointing_group_size(strategy)
+    except ValueError as error:
+        raise ValueError(f"set_activation_checkpointing: {error}") from None
 
 
 def checkpointed(fn: Callable[..., Any], /, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:

@@ -14,9 +14,9 @@ way: torch keeps the input they gathered (Megatron re-gathers it in backward).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
+from ..config.strategies import checkpointing_group_size
 from .errors import PlanError
 from .hardware import Kernels
 from .spec import ModelSpec
@@ -30,7 +30,6 @@ _FP32 = 4
 # a block keeps some 10-40 times its input, so k* stays between 1 and 4 up to some 250 blocks a stage:
 # groups of 2 and 4 bracket it, and "contiguous" (k = L) covers shallow stages.
 CHECKPOINTING = ("none", "each", "contiguous", "group_2", "group_4")
-_GROUP = re.compile(r"group_([1-9][0-9]*)")
 
 
 def region_blocks(strategy: str, stage_layers: int) -> int:
@@ -38,13 +37,11 @@ def region_blocks(strategy: str, stage_layers: int) -> int:
     the stage's whole run for "contiguous", k (at most the run) for "group_k"."""
     if strategy == "none":
         return 0
-    if strategy == "each":
-        return 1
-    found = _GROUP.fullmatch(strategy)
-    if strategy != "contiguous" and found is None:
-        raise PlanError(f"activation checkpointing {strategy!r}: use 'none' or one of SMP's strategies 'each', "
-                        "'contiguous', 'group_<k>' (k a positive integer, e.g. 'group_2')")
-    return min(int(found.group(1)) if found else stage_layers, stage_layers)
+    try:
+        size = checkpointing_group_size(strategy)
+    except ValueError as error:
+        raise PlanError(f"activation checkpointing: {error}, or 'none'") from None
+    return min(size or stage_layers, stage_layers)
 
 
 def distinct_strategies(stage_layers: int, groups: bool = True) -> list[str]:

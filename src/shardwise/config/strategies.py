@@ -1,0 +1,21 @@
+"""SMP's activation-checkpointing strategy names, read by the runtime and by the planner (which loads no torch)."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+_GROUP = re.compile(r"group_([1-9][0-9]*)")
+
+
+def checkpointing_group_size(strategy: str) -> Optional[int]:
+    """Blocks per region: 1 for "each", None (all of a stage's run) for "contiguous", k for "group_k"."""
+    if strategy == "each":
+        return 1
+    if strategy == "contiguous":
+        return None
+    found = _GROUP.fullmatch(strategy) if isinstance(strategy, str) else None
+    if found is None:
+        raise ValueError(f"strategy must be 'each', 'contiguous' or 'group_<k>' with k a positive integer "
+                         f"(e.g. 'group_2'), got {strategy!r}")
+    return int(found.group(1))
