@@ -97,6 +97,8 @@ def world(root: str) -> dict:
         directory = Path(root) / name
         sinks = ["csv", "tensorboard"] if name == "ddp" else []
         out[name] = _run({**layout, **costly, "metrics_dir": str(directory), "metrics_sinks": sinks})
+    out["pp"] = _run({"pipeline_parallel_degree": 2, "microbatches": 2, "wall_clock_breakdown": True,
+                      "metrics_dir": str(Path(root) / "pp")})
     off_seen, off_hooks = _train({"metrics_interval": 0, "metrics_dir": str(Path(root) / "off")}, outer=True)
     out["off"] = {"latest": metrics.latest(), "seen": off_seen, "hooks": off_hooks}
     _done()
@@ -173,6 +175,17 @@ def test_breakdown_sums_to_step_time(runs):
             assert sum(parts.values()) == pytest.approx(record["step_time_s"], abs=1e-6)  # float rounding only
             assert all(value >= -1e-9 for value in parts.values()), parts
             assert min(parts["forward_s"], parts["backward_s"], parts["optimizer_s"]) > 0, parts
+
+
+def test_forward_time_under_a_pipeline_is_its_stages_forward_calls(runs):
+    """The schedule calls pp rank 0's stage between backward passes, never the model: its calls are forward."""
+    root, _ = runs
+    records = [json.loads(line) for line in (root / "pp" / "global.jsonl").read_text().splitlines()]
+    assert len(records) == STEPS
+    for record in records[1:]:  # the module-graph cut is made during the first step, after its hooks were set
+        parts = record["breakdown"]
+        assert sum(parts.values()) == pytest.approx(record["step_time_s"], abs=1e-6)
+        assert parts["forward_s"] > 0 and parts["backward_s"] > 0, parts
 
 
 GLOBAL_KEYS = {"step", "time", "loss", "step_time_s", "samples", "samples_per_s", "tokens_per_s", "lr", "grad_norm",

@@ -122,8 +122,8 @@ class Recorder:
         start = self._now(runtime.device)
         with contextlib.ExitStack() as stack:
             if self.recording and self.breakdown:
-                for model in models:
-                    stack.enter_context(self._forward_hooks(model, runtime.device))
+                for module in (m for model in models for m in _forward_modules(model)):
+                    stack.enter_context(self._forward_hooks(module, runtime.device))
             stack.enter_context(self._watching(runtime))
             if self.recording and self.flops is not None and self.flops.per_sample is None:
                 stack.enter_context(self.flops.counting())
@@ -220,3 +220,10 @@ def recorder_for(runtime: Runtime) -> Recorder:
         recorder = _recorders[runtime.mesh] = Recorder(runtime)
         weakref.finalize(runtime.mesh, recorder.close)
     return recorder
+
+
+def _forward_modules(model: Any) -> list:
+    """The modules whose forward calls are the model's forward time: the model itself, or under a pipeline this
+    rank's stage modules, which its schedule calls between backward passes (the model itself is not called)."""
+    stages = getattr(model.module, "stages", None) if model.runs_whole_step else None
+    return list(stages) if isinstance(stages, torch.nn.ModuleList) else [model]
