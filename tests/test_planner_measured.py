@@ -85,6 +85,24 @@ class StepMemory:
             train(memory)
         return memory.result()
 
+    @classmethod
+    def of_adamw_training(cls, model, loss_of) -> dict:
+        """The second of two AdamW steps of `model` on the loss `loss_of()` computes, measured."""
+        cls.watch(model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def train(memory):
+            optimizer.zero_grad()
+            loss = loss_of()
+            if memory:
+                memory.forward_done()
+            loss.backward()
+            if memory:
+                memory.backward_done()
+            optimizer.step()
+
+        return cls.of_second_step(train, model, optimizer)
+
     def result(self) -> dict:
         after = _categories(self.tracker, "current")
         return {"parameters": after.get("PARAM", 0), "gradients": self.gradients,
@@ -135,21 +153,8 @@ def test_one_process_matches_memtracker(family):
     model_class, hf_config, make_batch, seq = CASES[family]
     torch.manual_seed(0)
     model = model_class(hf_config).train()
-    StepMemory.watch(model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch()
-
-    def train(memory):
-        optimizer.zero_grad()
-        loss = model(**batch).loss
-        if memory:
-            memory.forward_done()
-        loss.backward()
-        if memory:
-            memory.backward_done()
-        optimizer.step()
-
-    measured = StepMemory.of_second_step(train, model, optimizer)
+    measured = StepMemory.of_adamw_training(model, lambda: model(**batch).loss)
     predicted = predict_memory(spec_from_hf(hf_config.to_dict(), family), parse_config({}), Layout(), BATCH, seq,
                                device=CPU)
     _check(family, predicted, measured)

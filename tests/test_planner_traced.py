@@ -60,21 +60,8 @@ def test_traced_models_match_memtracker_in_one_process(name):
     spec = resolve_model(target, input_shape=shape, seq=seq)
     torch.manual_seed(0)
     model = (MLP if name == "mlp" else TinyCNN)().train()
-    StepMemory.watch(model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch()
-
-    def train(memory):
-        optimizer.zero_grad()
-        loss = loss_of(model(batch))
-        if memory:
-            memory.forward_done()
-        loss.backward()
-        if memory:
-            memory.backward_done()
-        optimizer.step()
-
-    measured = StepMemory.of_second_step(train, model, optimizer)
+    measured = StepMemory.of_adamw_training(model, lambda: loss_of(model(batch)))
     assert spec.parameters == sum(p.numel() for p in model.parameters())
     _check(f"traced {name}", predict_memory(spec, parse_config({}), Layout(), BATCH, seq, device=CPU), measured)
 
