@@ -3,12 +3,17 @@
 TinyStack under DDP in a 2-rank gloo world, AdamW, eight steps, a checkpoint every two. In the first attempt
 rank 1 SIGKILLs itself at step 6 while rank 0 has begun writing that checkpoint; the restart rendezvouses
 afresh, resumes from step 4 (the newest complete checkpoint, not the interrupted one) and ends with the
-parameters of a one-process run. tests/test_reliability_preemption.py launches the same script.
+parameters of a one-process run. The same job as two one-rank nodes (two `shardwise run --nnodes 2` on this
+machine, static rendezvous) restarts both nodes and ends the same. tests/test_reliability_preemption.py launches
+the same script.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -16,6 +21,7 @@ import torch
 
 from shardwise.checkpoint.directory import newest_tag
 from shardwise.cli import main
+from test_launcher import _free_port
 from tiny_models import relative_error, train_reference
 
 STEPS, ROWS, WORLD, EVERY = 8, 4, 2, 2
@@ -91,3 +97,27 @@ def test_a_killed_rank_restarts_the_job_from_the_newest_complete_checkpoint(tmp_
     assert json.loads((run_dir / "launch-node0.json").read_text())["attempts"] == 2
     assert newest_tag(checkpoints) == "step8" and not list(checkpoints.glob(".writing-*"))
     assert_trained_as_one_process(tmp_path / "state.pt")
+
+
+def test_a_killed_rank_restarts_both_nodes_of_a_two_node_job(tmp_path):
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "ckpt"
+    script, state_file = write_script(tmp_path), tmp_path / "state.pt"
+    common = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(_free_port()), "--max-restarts", "1", "--checkpoint-dir", str(checkpoints),
+              "--run-dir", str(run_dir)]
+    launch = "import sys; from shardwise.cli import main; sys.exit(main())"
+    nodes = [subprocess.Popen([sys.executable, "-c", launch, *common, "--node-rank", str(node), str(script),
+                               str(state_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "FAULT": "kill"})
+             for node in (1, 0)]
+    try:
+        outputs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            node.terminate()  # a hung launch stops its ranks on SIGTERM; no-op for one that ended
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    for node in range(2):
+        assert json.loads((run_dir / f"launch-node{node}.json").read_text())["attempts"] == 2
+        assert (run_dir / f"logs/attempt1/rank{node}/stdout.log").read_text().startswith("attempt 1 starts at step 4")
+    assert newest_tag(checkpoints) == "step8" and not list(checkpoints.glob(".writing-*"))
+    assert_trained_as_one_process(state_file)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from ..config import IneffectiveSettingsWarning, Problem, ShardwiseConfig, ineffective_settings, load_dict, merge_sources
 from ..config.effects import notice_of
@@ -17,6 +18,7 @@ from ..topology.layout import validate
 from . import hang_report, state
 from .agreement import check_same_config
 from .devices import backend_for, local_device
+from .launcher_store import attempt_key, connect
 from .mesh import ParallelMesh, forget_cached_meshes
 
 ConfigLike = Union[None, str, os.PathLike, Mapping[str, Any], ShardwiseConfig]
@@ -52,6 +54,15 @@ def _cluster() -> Cluster:
     return cluster if cluster.world_size == world else Cluster(1, world)  # a caller's group: nodes unknown
 
 
+def _attempt_store() -> Optional[dist.Store]:
+    """The agent's store under this attempt's prefix when the ranks share it (static rendezvous, several nodes),
+    else None. That store outlives an attempt and torch adds no per-attempt prefix, so a restarted attempt's gloo
+    would read the dead attempt's addresses there."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.PrefixStore(attempt_key("process_group"), connect(default_pg_timeout))
+
+
 def _start_process_group(device: torch.device) -> bool:
     """Join torchrun's world, or make a one-process world, with the flight recorder on (hang reports need it);
     False when the caller already made one. Joining keeps torch's timeout: `collective_timeout_seconds` is set
@@ -61,7 +72,13 @@ def _start_process_group(device: torch.device) -> bool:
     hang_report.enable_flight_recorder()
     backend = backend_for(device)
     if _torchrun_world():
-        dist.init_process_group(backend, device_id=device if device.type != "cpu" else None)
+        device_id = device if device.type != "cpu" else None
+        store = _attempt_store()
+        if store is None:
+            dist.init_process_group(backend, device_id=device_id)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), device_id=device_id)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
