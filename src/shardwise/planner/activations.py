@@ -39,8 +39,9 @@ def region_blocks(strategy: str, stage_layers: int) -> int:
         return 0
     try:
         size = checkpointing_group_size(strategy)
-    except ValueError as error:
-        raise PlanError(f"activation checkpointing: {error}, or 'none'") from None
+    except ValueError:
+        raise PlanError(f"activation checkpointing {strategy!r}: use 'none' or one of SMP's strategies 'each', "
+                        "'contiguous', 'group_<k>' (k a positive integer, e.g. 'group_2')") from None
     return min(size or stage_layers, stage_layers)
 
 
