@@ -14,6 +14,7 @@ formulas, from the same step count: DeepSpeed's iteration is torch's
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, Iterable, Union
 
@@ -83,9 +84,9 @@ def configured_batch_size() -> int:
     return config.train_micro_batch_size_per_gpu * config.microbatches
 
 
-class _DeepSpeedSchedule(LRScheduler):
+class _DeepSpeedSchedule(LRScheduler, metaclass=abc.ABCMeta):
     """A schedule of absolute learning rates at DeepSpeed's iteration (`last_epoch - 1`: torch's constructor
-    takes the first step, DeepSpeed's does not)."""
+    takes the first step, DeepSpeed's does not); each schedule says its rate by `lr_at`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, last_epoch: int = -1):
         for group in optimizer.param_groups:  # torch's resume (last_epoch >= 0) asks for it; these rates are absolute
@@ -99,8 +100,9 @@ class _DeepSpeedSchedule(LRScheduler):
     def get_lr(self) -> list[float]:
         return [self.lr_at(self.iteration)] * len(self.optimizer.param_groups)
 
+    @abc.abstractmethod
     def lr_at(self, iteration: int) -> float:
-        raise NotImplementedError
+        """The learning rate at DeepSpeed's `iteration`."""
 
 
 class WarmupLR(_DeepSpeedSchedule):
