@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from ..observe.report_data import read_jsonl
+
 
 @dataclass(frozen=True)
 class JobResult:
@@ -32,10 +34,8 @@ class JobResult:
 
 def _last_metrics(run_dir: Path) -> Optional[dict[str, Any]]:
     path = run_dir / "metrics" / "global.jsonl"
-    if not path.is_file():
-        return None
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return json.loads(lines[-1]) if lines else None
+    rows = read_jsonl(path) if path.is_file() else []  # as the report reads it: a last line cut short is skipped
+    return rows[-1] if rows else None
 
 
 @dataclass
