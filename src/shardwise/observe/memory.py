@@ -2,7 +2,7 @@
 
 Categories count this rank's own pieces (a DTensor's local shard), so they add up across ranks to the
 whole. Device figures come from `torch.accelerator`'s allocator statistics (null on a CPU device, which has
-none); the peak is reset after each record, so it is the peak since the last one. Host RSS needs psutil.
+none); the peak is reset after each record, so it is the peak since the last one; host RSS through psutil.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable, Optional
 
+import psutil
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -27,18 +28,8 @@ def _local_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
 
 
 @functools.cache
-def _this_process() -> Any:
-    """psutil's handle of this process, or None without psutil."""
-    try:
-        import psutil
-    except ImportError:
-        return None
+def _this_process() -> psutil.Process:
     return psutil.Process()
-
-
-def _host_rss() -> Optional[int]:
-    process = _this_process()
-    return None if process is None else process.memory_info().rss
 
 
 def memory_record(models: Iterable[Any], optimizers: Iterable[Any], device: torch.device) -> dict[str, Optional[int]]:
@@ -52,7 +43,7 @@ def memory_record(models: Iterable[Any], optimizers: Iterable[Any], device: torc
               "optimizer_state_bytes": _local_bytes(states),
               "device_peak_bytes": torch.accelerator.max_memory_allocated(device) if on_device else None,
               "device_allocated_bytes": torch.accelerator.memory_allocated(device) if on_device else None,
-              "host_rss_bytes": _host_rss()}
+              "host_rss_bytes": _this_process().memory_info().rss}
     if on_device:
         torch.accelerator.reset_peak_memory_stats(device)
     return record
