@@ -143,33 +143,52 @@ def _state_moves(model, optimizer, collectives: dict[str, list[int]], shard: int
     return {"to_device": gathered // shard, "to_host": scattered // shard}
 
 
-def trial(spec: dict, out: str) -> None:
-    """One rank: build the model, train the steps, write peak memory, losses and bytes moved."""
+@dataclass
+class Training:
+    """One rank's model, optimizer and batches, ready to step."""
+
+    model: object
+    optimizer: object
+    batches: list
+    mover: Optional[object]   # the activation offload's counting mover, if the variant offloads
+    train_step: Callable
+
+    def step(self, ids) -> float:
+        self.optimizer.zero_grad()
+        out = self.train_step(self.model, ids)
+        self.optimizer.step()
+        return out.reduce_mean().item() if out.holds_loss else float("nan")
+
+
+def prepare(spec: dict, mark: Callable[[str], None] = lambda phase: None) -> Training:
+    """Initialise shardwise with the trial's config, build the model under delayed initialisation, wrap it
+    and its optimizer; `mark` is told as each phase ends (init, build, wrap, optimizer)."""
     import torch
     import torch.nn.functional as F
     import transformers
     from torch.utils.data import TensorDataset
 
     import shardwise as sw
-    from measure import collectives
     from shardwise.parallel.activation_offload import schedule_for
     from shardwise.runtime.state import current
 
-    config = spec["config"]
-    sw.init(config)
-    baseline = psutil.Process().memory_info().rss  # the process before the model: Python, torch, the process group
+    sw.init(spec["config"])
+    mark("init")
     cell = Cell(**spec["cell"])
     with sw.delay_param_initialization():
         module = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cell.hf_config(spec["seq"])))
+    mark("build")
     model = sw.DistributedModel(module)
     if spec["checkpointing"]:
         for block in model.get_module().transformer.h:
             sw.set_activation_checkpointing(block)
+    mark("wrap")
     schedule = schedule_for(current())
     mover = None
     if schedule is not None:
         mover = schedule.mover = _counting_mover()
     optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    mark("optimizer")
 
     @sw.step
     def train_step(model, ids):
@@ -178,25 +197,31 @@ def trial(spec: dict, out: str) -> None:
         model.backward(loss)
         return loss
 
-    def step(ids) -> float:
-        optimizer.zero_grad()
-        out = train_step(model, ids)
-        optimizer.step()
-        return out.reduce_mean().item() if out.holds_loss else float("nan")
-
     ids = torch.randint(0, VOCAB, (spec["steps"] * ROWS * sw.dp_size(), spec["seq"]),
                         generator=torch.Generator().manual_seed(0))
-    batches = list(sw.data_loader(TensorDataset(ids), batch_size=ROWS, shuffle=False))
-    losses = [step(batch) for (batch,) in batches[:-1]]
-    if mover is not None:
-        mover.to_host = mover.to_device = 0
-    counts = collectives(lambda: losses.append(step(batches[-1][0])))
-    moved = {"activations": {"to_device": mover.to_device, "to_host": mover.to_host} if mover else None,
-             "optimizer": (_state_moves(model, optimizer, counts, parse_config(config).sharded_data_parallel_degree)
+    batches = [batch for (batch,) in sw.data_loader(TensorDataset(ids), batch_size=ROWS, shuffle=False)]
+    return Training(model, optimizer, batches, mover, train_step)
+
+
+def trial(spec: dict, out: str) -> None:
+    """One rank: build the model, train the steps, write peak memory, losses and bytes moved."""
+    import shardwise as sw
+    from measure import collectives
+
+    baseline = {}  # the process before the model: Python, torch, the process group
+    run = prepare(spec, lambda phase: baseline.setdefault(phase, psutil.Process().memory_info().rss))
+    config = spec["config"]
+    losses = [run.step(batch) for batch in run.batches[:-1]]
+    if run.mover is not None:
+        run.mover.to_host = run.mover.to_device = 0
+    counts = collectives(lambda: losses.append(run.step(run.batches[-1])))
+    moved = {"activations": {"to_device": run.mover.to_device, "to_host": run.mover.to_host} if run.mover else None,
+             "optimizer": (_state_moves(run.model, run.optimizer, counts,
+                                        parse_config(config).sharded_data_parallel_degree)
                            if config.get("offload_optimizer_state") else None)}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    Path(out, f"rank{sw.rank()}.json").write_text(json.dumps({"peak": peak, "baseline": baseline, "losses": losses,
-                                                               "moved": moved}))
+    Path(out, f"rank{sw.rank()}.json").write_text(json.dumps({"peak": peak, "baseline": baseline["init"],
+                                                               "losses": losses, "moved": moved}))
     sw.shutdown()
 
 
