@@ -25,7 +25,9 @@ own decision, read from `topology/decisions.py`:
 - ZeRO-2/3 and MiCS run FSDP2 (`fully_shard` per block, then the root). Parameters
   are stored sharded in fp32 (they are the master copy) and gathered in the compute
   dtype: ZeRO-2 keeps every block gathered from its forward to its backward, ZeRO-3
-  only the root (embedding, head) and the current and prefetched block. Gradients
+  only the root (embedding, head) and the current and prefetched block. (An untied
+  embedding or head of half a block or more is a unit of its own and is freed too:
+  this counts it gathered, an overestimate of at most those two.) Gradients
   are reduce-scattered and kept in fp32, and the root returns fp32 outputs.
 """
 
