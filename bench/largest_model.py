@@ -335,13 +335,17 @@ def search(count: int, first: int, fits: Callable[[int], bool]) -> tuple[Optiona
     return (lo if lo >= 0 else None), probes
 
 
-def predicted_total(layout: str, variant: str, cell: Cell, args) -> float:
-    """The planner's peak bytes for one rank (the `local` device: this machine's memory shared by the ranks)."""
+def prediction(layout: str, variant: str, cell: Cell, args):
+    """The planner's MemoryBreakdown for one rank (the `local` device: this machine's memory shared by the ranks)."""
     parsed = parse_config(config_of(layout, variant))
     micro = ROWS // parsed.microbatches * parsed.tensor_parallel_degree  # a TP group trains its ranks' rows
     device = replace(cluster_preset("local", devices_per_node=RANKS).device, memory_bytes=args.capacity)
     return predict_memory(cell.spec(args.seq), parsed, layout_for(parsed, Cluster(1, RANKS)), micro, args.seq,
-                          checkpointing_of(variant), device).total
+                          checkpointing_of(variant), device)
+
+
+def predicted_total(layout: str, variant: str, cell: Cell, args) -> float:
+    return prediction(layout, variant, cell, args).total
 
 
 def planned_moves(layout: str, variant: str, cell: Cell, args) -> dict:

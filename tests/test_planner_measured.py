@@ -7,8 +7,10 @@ their most during backward) must match `predict_memory` within ±10 %, activatio
 in plain PyTorch; the sharded runs train GPT-2 with shardwise itself on 4 gloo
 ranks under DDP, ZeRO-1, ZeRO-2, ZeRO-3 and MiCS, in fp32 and bf16, and ZeRO-1 in
 bf16 with tensor parallelism 2, and ZeRO-1 and ZeRO-3 with their optimizer states
-offloaded (to the host memory a CPU device already is). The peak of the whole step
-must stay under the predicted total and within 25 % of it.
+offloaded (to the host memory a CPU device already is). The tensors' peak over the whole
+step must stay under the predicted tensor total (the total without the CPU rank's process
+and its allocator's retention, which MemTracker cannot see: tests/test_planner_rss.py) and
+within 25 % of it.
 """
 
 import pytest
@@ -137,14 +139,14 @@ CASES = {
 
 def _check(name: str, predicted, measured: dict) -> None:
     """Assert the tolerances above; print the comparison (`pytest -s` shows the table in docs/planner.md)."""
-    summary = {**predicted.detail(), "peak": predicted.total}
+    summary = {**predicted.detail(), "peak": predicted.tensors}
     print(f"\n{name}: " + ", ".join(f"{k} {summary[k] / 1e3:,.0f}/{measured[k] / 1e3:,.0f} kB "
                                      f"({summary[k] / measured[k] - 1:+.1%})"
                                      for k in (*STATES, "activations", "peak")))
     for category in STATES:
         assert summary[category] == pytest.approx(measured[category], rel=0.10), category
     assert summary["activations"] == pytest.approx(measured["activations"], rel=0.25)
-    assert measured["peak"] <= predicted.total <= 1.25 * measured["peak"]
+    assert measured["peak"] <= predicted.tensors <= 1.25 * measured["peak"]
 
 
 @pytest.mark.filterwarnings("ignore:Module is None")  # MemTracker's hooks on BERT's freed submodules

@@ -16,6 +16,19 @@ OVERLAP_EFFICIENCY = 0.8
 # bytes the model accounts for.
 FRAGMENTATION_MARGIN = 0.10
 
+# A CPU rank's process before its model (bench/memory_overhead.py, docs/benchmarks.md): Python, torch and
+# transformers imported and a gloo process group: 0.32-0.33 GiB resident on Linux, torch 2.13.
+HOST_PROCESS_BYTES = 0.33 * 2 ** 30
+
+# Freed memory glibc malloc keeps in a CPU rank's heap at the peak: small and mid-sized chunks stay for reuse
+# (its mmap threshold rises up to 32 MiB as large chunks are freed). Measured 0.12-0.20 GiB under DDP and
+# ZeRO-1 (GPT-2 6-12 x 512); FSDP2's per-block gathers and reduce-scatters (the gathered parameters, the
+# gradients and gloo's full-size copy of each) keep about this many times a block's full bytes, per block,
+# while a block's full size stays under the ceiling (larger chunks are mmapped and returned on free).
+HOST_RETAINED_BYTES = 0.2 * 2 ** 30
+HOST_RETAINED_PER_GATHERED_BLOCK = 4
+MALLOC_MMAP_CEILING = 32 * 2 ** 20
+
 # Adam / AdamW keep two fp32 moments per parameter (exp_avg, exp_avg_sq).
 OPTIMIZER_STATE_BYTES = 8
 

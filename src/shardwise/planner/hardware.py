@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 from ..topology import Cluster
+from . import assumptions as A
 from .errors import PlanError, unknown
 
 GiB = 1024 ** 3
@@ -42,7 +43,7 @@ class DeviceSpec:
     peak_flops: Mapping[str, float]      # per dtype name: fp32, bf16, fp16
     memory_bandwidth: float              # bytes/s, for the optimizer step
     host_bandwidth: float                # bytes/s to host memory, for activation offload
-    runtime_reserve_bytes: float = 0.0   # CUDA context, library workspaces: never available to tensors
+    runtime_reserve_bytes: float = 0.0   # CUDA context, library workspaces (a CPU: the process): never for tensors
     kernels: Kernels = field(default_factory=Kernels)
     memory_is_host: bool = False         # a CPU: offloading to host memory moves nothing and saves nothing
 
@@ -111,11 +112,11 @@ _CPU_CORE_FLOPS = 50e9
 
 def local_node(processes: Optional[int] = None) -> dict:
     """This machine as one node of `processes` CPU ranks (default: one per core), memory split evenly, its
-    collectives gloo's."""
+    collectives gloo's; each rank's process reserves what it holds before its model."""
     processes = processes or os.cpu_count() or 1
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = DeviceSpec("CPU", ram / processes, {"fp32": _CPU_CORE_FLOPS, "bf16": _CPU_CORE_FLOPS},
-                     20 * GB / processes, 20 * GB / processes,
+                     20 * GB / processes, 20 * GB / processes, runtime_reserve_bytes=A.HOST_PROCESS_BYTES,
                      kernels=Kernels(dropout_mask_bytes=None, flash_attention=True, flash_attention_dropout=False,
                                      math_attention_bytes=4), memory_is_host=True)
     return dict(devices_per_node=processes, device=cpu, intra_node_bandwidth=5 * GB,

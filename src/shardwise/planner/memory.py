@@ -10,6 +10,10 @@ fp32 masters and moments 12a/n; ZeRO-2/3 shard all
 three (16a/n). With MiCS, n is the partition-group size; ZeRO-1 shards over every
 data-parallel rank. `offload_optimizer_state` keeps ZeRO-1's masters and moments, and
 all three of ZeRO-2/3's, in host memory (offload.py).
+
+A device with a runtime reserve cannot give it to tensors: a GPU's CUDA context and library
+workspaces, a CPU rank's process itself (Python, torch, the process group). A CPU rank's
+allocator also keeps memory the step freed (`retention`), which no tensor accounting sees.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from .activations import rank_activations
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
 from .spec import ModelSpec
-from .wrapping import (comm_buffer_bytes, gathered_bytes, gradient_fraction, numerics, optimizer_bytes,
-                       optimizer_share, shard_degrees, stored_bytes)
+from .wrapping import (comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes, gradient_fraction, numerics,
+                       optimizer_bytes, optimizer_share, shard_degrees, stored_bytes)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class MemoryBreakdown:
     runtime: float
     fragmentation: float
     offloaded: float = 0.0
+    retention: float = 0.0  # freed memory a host allocator keeps (CPU ranks)
 
     @property
     def model_states(self) -> float:
@@ -50,12 +55,17 @@ class MemoryBreakdown:
     def total(self) -> float:
         return sum(getattr(self, f.name) for f in fields(self) if f.name != "offloaded")
 
+    @property
+    def tensors(self) -> float:
+        """The total without the runtime reserve and the allocator's retention: what a tensor tracker sees."""
+        return self.total - self.runtime - self.retention
+
     def summary(self) -> dict[str, float]:
         """The categories reports use: parameters include the gathered copies; other is buffers,
-        runtime reserve and the fragmentation margin."""
+        runtime reserve, the fragmentation margin and the allocator's retention."""
         return {"parameters": self.parameters + self.gathered_params, "gradients": self.gradients,
                 "optimizer": self.optimizer, "activations": self.activations,
-                "other": self.comm_buffers + self.runtime + self.fragmentation, "total": self.total}
+                "other": self.comm_buffers + self.runtime + self.fragmentation + self.retention, "total": self.total}
 
     def detail(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -74,6 +84,17 @@ def model_state_bytes(parameters: float, config: ShardwiseConfig, layout: Layout
             "optimizer": optimizer_bytes(config) * parameters * share}
 
 
+def host_retention(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, device: Optional[DeviceSpec]) -> float:
+    """Freed bytes glibc malloc keeps in a CPU rank (assumptions.py): a share common to every layout, and under
+    FSDP2 a multiple of each gathered block's full size while blocks stay under malloc's mmap ceiling."""
+    if device is None or not device.memory_is_host:
+        return 0.0
+    block = spec.layer_parameters / layout.tp * compute_bytes(config)
+    gathered = fully_sharded(config) and block < A.MALLOC_MMAP_CEILING
+    per_block = A.HOST_RETAINED_PER_GATHERED_BLOCK * block if gathered else 0.0
+    return A.HOST_RETAINED_BYTES + per_block * spec.stage_layers(layout.pp)
+
+
 def in_flight_microbatches(config: ShardwiseConfig, layout: Layout) -> int:
     """Microbatches whose activations stage 0 holds at once. The runtime runs rounds of `pipeline_round`:
     GPipe keeps a whole round, 1F1B at most pp of it (a round below pp runs as GPipe: all of it)."""
@@ -88,7 +109,8 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     """Peak bytes per rank by category, for the busiest pipeline stage.
 
     `micro_batch` is sequences per microbatch on one rank (tensor-parallel ranks share them).
-    `device` supplies kernel facts and the runtime reserve; without it, GPU kernels and no reserve.
+    `device` supplies kernel facts and the runtime reserve (and on a CPU the allocator's retention); without
+    it, GPU kernels and no reserve.
     Offloaded activations and model states (offload.py) are `offloaded`, except on a device whose
     memory is the host's, where the runtime keeps them where they are.
     """
@@ -108,4 +130,5 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     accounted = sum(states.values()) + gathered + acts.device + buffers
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0,
-                           fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host + host_bytes)
+                           fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host + host_bytes,
+                           retention=host_retention(spec, config, layout, device))
