@@ -54,10 +54,10 @@ def graph_cut_problems(c: ShardwiseConfig) -> Iterable[Problem]:
     """What the module-graph cut (parallel/pipeline/graph.py) does not combine with yet. Checked here for
     `pipeline_cut: graph`, and when a model without blocks is wrapped for `auto`."""
     why = "the module-graph pipeline cut"
-    if c.tensor_parallel_degree > 1:
-        yield Problem("tensor_parallel_degree", c.tensor_parallel_degree, f"{why} runs captured graphs that tensor "
-                      "parallelism cannot split", "use 1, or hold the model's layers in an nn.ModuleList (the "
-                      "block-list cut, pipeline_cut blocks)")
+    if c.sequence_parallel and c.tensor_parallel_degree > 1:
+        yield Problem("sequence_parallel", c.sequence_parallel, f"{why} runs the blocks as captured graphs, which "
+                      "sequence parallelism cannot shard", "use false, or hold the model's layers in an nn.ModuleList "
+                      "(the block-list cut, pipeline_cut blocks)")
     if c.stages_per_rank > 1:
         yield Problem("pipeline_schedule", c.pipeline_schedule, f"runs {c.stages_per_rank} stages per rank; {why} "
                       "runs one", "use gpipe or 1f1b")

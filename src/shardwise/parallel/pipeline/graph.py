@@ -33,12 +33,15 @@ from ...runtime.mesh import ParallelMesh
 from ...topology.decisions import PrecisionMode, precision_mode
 from ...torch_internals import FakeTensorMode, tree_map_only
 from .. import precision
+from ..local import local_tensor
 from ..materialize import place
 from ..strategy import OptimizerUpdate, Pieces, Strategy
+from ..tensor import PlanLike
 from .. import checkpointing  # the module, not its names: it imports this package (for Elsewhere) in turn
 from .calls import capture
 from .graph_cut import captured, cut_graph
 from .graph_stage import GraphStage, Wiring
+from .graph_tensor import GraphTensorParallel
 from .runner import PipelineParallel, StageModules
 from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
 from .ties import TiedWeights
@@ -67,6 +70,7 @@ def _capture_copy(model: nn.Module, inputs: dict[str, Any], dtype: Optional[torc
     model's tensors keep no reference from the capture (ZeRO-1's `torch.utils.swap_tensors` refuses one). Each input is a tensor of its own (a tensor passed twice,
     labels=input_ids, would be captured as one)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    params = [(p, local_tensor(p)) for p in model.parameters()]  # a split weight: this tensor-parallel rank's shard
 
     def fake(value: torch.Tensor, cast: bool) -> torch.Tensor:  # made from the shape: converting leaves a weakref
         into = dtype if cast and dtype is not None and value.is_floating_point() else value.dtype
@@ -74,7 +78,7 @@ def _capture_copy(model: nn.Module, inputs: dict[str, Any], dtype: Optional[torc
 
     with mode:
         memo: dict[int, Any] = {id(t): fake(t, cast=False) for t in model.buffers()}  # buffers keep their dtype
-        memo.update({id(p): nn.Parameter(fake(p, cast=True), p.requires_grad) for p in model.parameters()})
+        memo.update({id(p): nn.Parameter(fake(local, cast=True), p.requires_grad) for p, local in params})
         faked = tree_map_only(torch.Tensor, lambda t: fake(t, cast=True), inputs)
     return copy.deepcopy(model, memo), faked
 
@@ -112,14 +116,15 @@ class GraphPipeline(Strategy):
     runs_whole_step = True
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, wrap_part: Callable,
-                 zero1: Optional[Callable[[frozenset[int]], Any]] = None):
+                 zero1: Optional[Callable[[frozenset[int]], Any]] = None, tp_plan: PlanLike = None):
         """`wrap_part`: the composition's per-part step; `zero1`: ZeRO-1's binding given the tied copies whose
-        gradients the pipeline sums itself (None without ZeRO-1)."""
+        gradients the pipeline sums itself (None without ZeRO-1); `tp_plan`: the user's tensor-parallel plan."""
         check_graph_layout(config, model)
         place(model, mesh)
         super().__init__(StageModules([]), model)
         self.mesh, self.config, self.wrap_part, self.zero1 = mesh, config, wrap_part, zero1
         self.built: Optional[PipelineParallel] = None
+        self.tensor = GraphTensorParallel(mesh["tp"], tp_plan, config.prescaled_batch)  # split at the cut
         self._deferred: list[_DeferredUpdate] = []
 
     # Before the cut: the whole model. After it: the stage's pipeline answers (_DELEGATED), as if it had been
@@ -150,11 +155,14 @@ class GraphPipeline(Strategy):
         wiring = Wiring(pipe.split_gm)
         inner = pipe.get_stage_module(index)
         _as_in_model(inner, whole)
+        self.tensor.adopt(inner)
         checkpointing.restore_checkpointing(inner, checkpointed)
         ties = TiedWeights(inner, _tied_groups(pipe.replicated_params, wiring.module_names), [index])
         ties.connect(mesh.layout, dist.get_rank(), ranks)
         ties.broadcast_values()
-        self.built = self._runner(GraphStage(inner, wiring, index, cut), ties, signature)
+        stage = GraphStage(inner, wiring, index, cut)
+        self.tensor.install(stage, stage.is_last)
+        self.built = self._runner(stage, ties, signature)
         self.__dict__["inner"] = None  # the other stages' parameters are freed with the whole model
         model.module = self.built.module
         held = dict(model.named_parameters(remove_duplicate=False))
@@ -166,12 +174,15 @@ class GraphPipeline(Strategy):
         """torch's split of `whole` at the cut the cost model chose (printed on rank 0), the cut, and the pp rank of
         each stage."""
         config, stages = self.config, self.mesh["pp"].size()
+        inputs = self.tensor.gathered(inputs)
         cut = cut_graph(whole, inputs, stages, memory_weight(config), config.auto_partition, config.default_partition)
         ranks = stage_ranks(config.pipeline_schedule, stages, stages)
         if dist.get_rank() == 0:
             print(cut.describe(ranks), flush=True)
+        self.tensor.split(whole)
         dtype = precision.compute_dtype(config) if precision_mode(config, self.mesh.layout) in _STAGE_DTYPE else None
         fake_model, fake_inputs = _capture_copy(whole, inputs, dtype)
+        self.tensor.capturable(fake_model, whole, inputs)
         pipe = captured(whole, "export", lambda: pipeline(
             fake_model, mb_args=(), mb_kwargs=fake_inputs,
             split_spec={point: SplitPoint.BEGINNING for point in cut.split_points}))
