@@ -1,7 +1,7 @@
 """Where a CPU rank's resident memory goes beyond the tensors the planner counts.
 
     python bench/memory_overhead.py [--layouts DDP,ZeRO-1,ZeRO-3,MiCS 2×2] [--cells 6x512,12x512]
-                                    [--allocators default,...] [--steps 2] [--json FILE] [--smoke]
+                                    [--allocators default,...] [--steps 2] [--rounds 1] [--json FILE] [--smoke]
 
 Each run trains a GPT-2 of `bench/largest_model.py` (same config, delayed
 initialisation, fp32 AdamW, 2 sequences per data-parallel rank) on 4 gloo CPU
@@ -11,11 +11,18 @@ A thread in every rank samples its resident set (RSS) and glibc's own account
 the process group, building the model on the meta device, wrapping it (which
 materialises and shards it), the optimizer, the training steps. One more step
 runs under torch's MemTracker, whose peak is what the tensors themselves need.
+Each training step is timed (until every rank is done with it); the first, which
+warms up, is left out of the medians.
 
 At the highest RSS sample, its bytes split into: the process before the model
 (Python, torch, transformers, the process group), malloc's bytes in use above
 that (tensors and everything else malloc serves), malloc's bytes held free
 (retention), and the rest (pages outside malloc: thread stacks, code, ...).
+
+A setting's cost is its step time beside the first setting's: `--rounds N` runs
+every layout and model N times, the settings' order alternating from round to
+round, so that a loaded machine's drift falls on both alike; the spread of the
+runs' medians shows how much the machine itself moved.
 
 A second probe (`--collectives`) measures what one gloo collective of FSDP2's
 kinds allocates beyond its input and output: whether gloo makes full-size
@@ -37,6 +44,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
+from statistics import median
 
 from largest_model import GiB, LAYOUTS, RANKS, Cell, config_of, prepare, prediction
 
@@ -121,18 +129,18 @@ def rank_run(spec: dict, out: str) -> None:
     import torch.distributed as dist
 
     import shardwise as sw
-    from measure import peak_memory
+    from measure import peak_memory, step_times
 
     with Sampler() as sampler:
         run = prepare(spec, lambda phase: sampler.mark(_after(phase)))
-        for batch in run.batches:
-            run.step(batch)
+        batches = iter(run.batches)
+        times = step_times(lambda: run.step(next(batches)), len(run.batches))
         sampler.mark("tracked step")
         tracked = peak_memory(lambda: run.step(run.batches[-1]), run.model, run.optimizer)
         sampler.mark("end")
     dist.barrier()
     result = {"phases": sampler.phases, "tensors_peak": tracked.get("Total", 0), "tensors": tracked,
-              "max_rss": _max_rss()}
+              "max_rss": _max_rss(), "step_times": times}
     Path(out, f"rank{sw.rank()}.json").write_text(json.dumps(result))
     sw.shutdown()
 
@@ -209,6 +217,7 @@ def measure(layout: str, cell: Cell, allocator: str, steps: int, seq: int, timeo
               for name, p in busiest["phases"].items()}
     return {"layout": layout, "cell": cell.name, "params": cell.spec(seq).parameters, "allocator": allocator,
             **breakdown(busiest), "phases": phases, "tensors": busiest["tensors"],
+            "step_times": busiest["step_times"][1:],
             "planner": planned.detail(), "planner_total": planned.total}
 
 
@@ -216,14 +225,43 @@ def _gib(value: float) -> str:
     return f"{value / GiB:.2f}"
 
 
+def _median(seconds: list[float]) -> float:
+    """NaN where a run had a single step: only the warm-up, which is not timed."""
+    return median(seconds) if seconds else float("nan")
+
+
+def _step(row: dict) -> float:
+    return _median(row["step_times"])
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| layout | model | malloc | peak RSS GiB (phase) | before the model | malloc in use above it | "
-             "malloc held free | rest | MemTracker tensor peak | planner total |", "|---|---|---|---|---:|---:|---:|"
-             "---:|---:|---:|"]
+             "malloc held free | rest | MemTracker tensor peak | planner total | step s |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['layout']} | {r['cell']} | {r['allocator']} | {_gib(r['peak'])} ({r['phase']}) | "
                      f"{_gib(r['before_model'])} | {_gib(r['malloc_in_use'])} | {_gib(r['malloc_free'])} | "
-                     f"{_gib(r['rest'])} | {_gib(r['tensors_peak'])} | {_gib(r['planner_total'])} |")
+                     f"{_gib(r['rest'])} | {_gib(r['tensors_peak'])} | {_gib(r['planner_total'])} | "
+                     f"{_step(r):.2f} |")
+    return "\n".join(lines)
+
+
+def cost_table(rows: list[dict]) -> str:
+    """Per layout and model, each setting's step time (median of every timed step of its runs, and the range of
+    the runs' medians) and peak RSS (median of its runs), and its change against the first setting."""
+    runs: dict[tuple, dict[str, list[dict]]] = {}
+    for r in rows:
+        runs.setdefault((r["layout"], r["cell"]), {}).setdefault(r["allocator"], []).append(r)
+    lines = ["| layout | model | malloc | runs | step s, median (runs' medians) | vs first | peak RSS GiB |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for (layout, cell), settings in runs.items():
+        first = None
+        for allocator, group in settings.items():
+            step = _median([t for r in group for t in r["step_times"]])
+            first = first or step
+            spread = ", ".join(f"{_step(r):.2f}" for r in group)
+            lines.append(f"| {layout} | {cell} | {allocator} | {len(group)} | {step:.2f} ({spread}) | "
+                         f"{100 * (step / first - 1):+.1f} % | {_gib(median(r['peak'] for r in group))} |")
     return "\n".join(lines)
 
 
@@ -259,11 +297,12 @@ def main(argv=None) -> None:
                         + ", ".join(LAYOUTS))
     parser.add_argument("--cells", default="6x512,12x512", help="GPT-2s as DEPTHxWIDTH, comma-separated")
     parser.add_argument("--allocators", default="default", help="comma-separated, from: " + ", ".join(ALLOCATORS))
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="training steps per run; the first is not timed")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every layout, model and setting")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--collectives", action="store_true", help="also probe gloo's collectives")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a run is stopped")
-    parser.add_argument("--smoke", action="store_true", help="seconds: ZeRO-3 on a tiny GPT-2, one step")
+    parser.add_argument("--smoke", action="store_true", help="seconds: ZeRO-3 on a tiny GPT-2, two steps")
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--rank-run", help=argparse.SUPPRESS)
     parser.add_argument("--rank-probe", action="store_true", help=argparse.SUPPRESS)
@@ -274,23 +313,25 @@ def main(argv=None) -> None:
     if args.rank_probe:
         return rank_probe(args.out)
     if args.smoke:
-        args.layouts, args.cells, args.steps = "ZeRO-3", "1x64", 1
+        args.layouts, args.cells, args.steps = "ZeRO-3", "1x64", 2
     unknown = [x for x in args.layouts.split(",") if x not in LAYOUTS] + [
         x for x in args.allocators.split(",") if x not in ALLOCATORS]
     if unknown:
         parser.error(f"unknown layout or allocator {unknown[0]!r}; choose from {', '.join([*LAYOUTS, *ALLOCATORS])}")
-    rows = []
-    for allocator in args.allocators.split(","):
+    rows, allocators = [], args.allocators.split(",")
+    for round_ in range(args.rounds):
         for layout in args.layouts.split(","):
             for cell in map(_cell, args.cells.split(",")):
-                start = time.monotonic()
-                rows.append(measure(layout, cell, allocator, args.steps, args.seq, args.timeout))
-                print(f"  {layout} {cell.name} {allocator}: peak {_gib(rows[-1]['peak'])} GiB "
-                      f"({time.monotonic() - start:.0f} s)", flush=True)
+                for allocator in allocators[::-1] if round_ % 2 else allocators:
+                    start = time.monotonic()
+                    rows.append(measure(layout, cell, allocator, args.steps, args.seq, args.timeout))
+                    print(f"  {layout} {cell.name} {allocator}: peak {_gib(rows[-1]['peak'])} GiB, step "
+                          f"{_step(rows[-1]):.2f} s ({time.monotonic() - start:.0f} s)", flush=True)
     probe = launch("--rank-probe", {}, args.timeout) if args.collectives else None
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": rows, "collectives": probe}, indent=1))
     print("\n" + table(rows) + "\n\nRSS per phase (end / highest sample), GiB\n\n" + phases_table(rows))
+    print("\nStep time and peak per setting\n\n" + cost_table(rows))
     if probe:
         print("\n" + probe_table(probe))
 
