@@ -122,7 +122,6 @@ def refused(config: dict) -> str:
 
 GRAPH_REFUSALS = [
     ({**PP2, "tensor_parallel_degree": 2}, "tensor parallelism cannot split"),
-    ({**PP2, "pipeline_schedule": "interleaved_1f1b"}, "the module-graph pipeline cut runs one"),
 ]
 
 

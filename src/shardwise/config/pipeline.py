@@ -58,9 +58,6 @@ def graph_cut_problems(c: ShardwiseConfig) -> Iterable[Problem]:
         yield Problem("sequence_parallel", c.sequence_parallel, f"{why} runs the blocks as captured graphs, which "
                       "sequence parallelism cannot shard", "use false, or hold the model's layers in an nn.ModuleList "
                       "(the block-list cut, pipeline_cut blocks)")
-    if c.stages_per_rank > 1:
-        yield Problem("pipeline_schedule", c.pipeline_schedule, f"runs {c.stages_per_rank} stages per rank; {why} "
-                      "runs one", "use gpipe or 1f1b")
 
 
 def pipeline_problems(c: ShardwiseConfig) -> Iterable[Problem]:

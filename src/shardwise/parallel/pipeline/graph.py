@@ -9,7 +9,9 @@ torch.export and splits it there; each rank keeps its stage's graph module (the
 model's own parameters, under their names) and runs it under the schedule like a
 block-list stage. Until then the whole model sits on every rank, so its state
 dicts and a checkpoint loaded before the first step are the whole model's, and
-the optimizers bound to it are bound again to this rank's stage.
+the optimizers bound to it are bound again to this rank's stage. With several
+stages per rank (the interleaved and zero-bubble schedules) a rank keeps each of
+its stages, and they read as one module under the model's names.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ from ...topology.decisions import PrecisionMode, precision_mode
 from ...torch_internals import FakeTensorMode, tree_map_only
 from .. import precision
 from ..local import local_tensor
-from ..materialize import place
+from ..materialize import mesh_device, place
 from ..strategy import OptimizerUpdate, Pieces, Strategy
 from ..tensor import PlanLike
 from .. import checkpointing  # the module, not its names: it imports this package (for Elsewhere) in turn
 from .calls import capture
 from .graph_cut import captured, cut_graph
-from .graph_stage import GraphStage, Wiring
+from .graph_stage import GraphStage, Wiring, join_stages
 from .graph_tensor import GraphTensorParallel
 from .runner import PipelineParallel, StageModules
 from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
@@ -146,23 +148,26 @@ class GraphPipeline(Strategy):
         return self.built.run_step(model, fn, pieces, around)
 
     def _build(self, model: Any, fn: Callable, pieces: Pieces) -> None:
-        """Cut, capture and keep this rank's stage; bind the optimizers to it; let the whole model go."""
+        """Cut, capture and keep this rank's stages; bind the optimizers to them; let the whole model go."""
         whole, mesh = self.inner, self.mesh
         signature = inspect.signature(whole.forward)  # not the bound method: it would keep the whole model alive
         checkpointed = checkpointing.lift_checkpointing(whole)  # captured plain; set again on this rank's stage
         pipe, cut, ranks = self._captured_pipe(whole, capture(fn, model, signature, *pieces[0]))
-        index = ranks.index(mesh["pp"].get_local_rank())
+        local = [stage for stage, rank in enumerate(ranks) if rank == mesh["pp"].get_local_rank()]
         wiring = Wiring(pipe.split_gm)
-        inner = pipe.get_stage_module(index)
-        _as_in_model(inner, whole)
-        self.tensor.adopt(inner)
-        checkpointing.restore_checkpointing(inner, checkpointed)
-        ties = TiedWeights(inner, _tied_groups(pipe.replicated_params, wiring.module_names), [index])
+        modules = [pipe.get_stage_module(stage) for stage in local]
+        _as_in_model(modules, whole)
+        for module in modules:
+            self.tensor.adopt(module)
+            checkpointing.restore_checkpointing(module, checkpointed)
+        inner = join_stages(modules)
+        ties = TiedWeights(inner, _tied_groups(pipe.replicated_params, wiring.module_names), local)
         ties.connect(mesh.layout, dist.get_rank(), ranks)
         ties.broadcast_values()
-        stage = GraphStage(inner, wiring, index, cut)
-        self.tensor.install(stage, stage.is_last)
-        self.built = self._runner(stage, ties, signature)
+        stages = [GraphStage(module, wiring, stage, cut) for module, stage in zip(modules, local)]
+        for stage in stages:
+            self.tensor.install(stage, stage.is_last)
+        self.built = self._runner(inner, stages, ties, signature)
         self.__dict__["inner"] = None  # the other stages' parameters are freed with the whole model
         model.module = self.built.module
         held = dict(model.named_parameters(remove_duplicate=False))
@@ -173,10 +178,12 @@ class GraphPipeline(Strategy):
     def _captured_pipe(self, whole: nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any, list[int]]:
         """torch's split of `whole` at the cut the cost model chose (printed on rank 0), the cut, and the pp rank of
         each stage."""
-        config, stages = self.config, self.mesh["pp"].size()
+        config, pp = self.config, self.mesh["pp"].size()
+        stages = pp * config.stages_per_rank
+        ranks = stage_ranks(config.pipeline_schedule, pp, stages)
         inputs = self.tensor.gathered(inputs)
-        cut = cut_graph(whole, inputs, stages, memory_weight(config), config.auto_partition, config.default_partition)
-        ranks = stage_ranks(config.pipeline_schedule, stages, stages)
+        cut = cut_graph(whole, inputs, stages, memory_weight(config), config.auto_partition, config.default_partition,
+                        ranks)
         if dist.get_rank() == 0:
             print(cut.describe(ranks), flush=True)
         self.tensor.split(whole)
@@ -192,18 +199,23 @@ class GraphPipeline(Strategy):
                                "forward's main path; fix: place modules by hand (sw.set_partition) at other modules")
         return pipe, cut, ranks
 
-    def _runner(self, stage: GraphStage, ties: TiedWeights, signature: inspect.Signature) -> PipelineParallel:
-        """The stage wrapped as the composition wraps a part, under the configured schedule."""
+    def _runner(self, inner: nn.Module, stages: list[GraphStage], ties: TiedWeights,
+                signature: inspect.Signature) -> PipelineParallel:
+        """Each stage wrapped as the composition wraps a part, all under the configured schedule; `inner` reads
+        them as one module."""
         config, pp_mesh = self.config, self.mesh["pp"]
-        strategy = self.wrap_part(stage, self.mesh, config,
-                                  reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
-        stage.precision = strategy.autocast or stage.precision
-        runner = PipelineParallel(stage.module, [stage], [strategy.module], ties, pp_mesh.get_group(),
-                                  config.pipeline_round, signature=signature)
-        device = next(stage.module.parameters()).device
-        runner.schedule = build_schedule(config.pipeline_schedule, [EvalSafeStage(
-            strategy.module, stage.index, pp_mesh.size(), device, group=pp_mesh.get_group())],
-            config.pipeline_round, runner.loss)
+        wrapped = []
+        for stage in stages:
+            strategy = self.wrap_part(stage, self.mesh, config,
+                                      reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
+            stage.precision = strategy.autocast or stage.precision
+            wrapped.append(strategy.module)
+        runner = PipelineParallel(inner, stages, wrapped, ties, pp_mesh.get_group(), config.pipeline_round,
+                                  signature=signature)
+        total, device = pp_mesh.size() * config.stages_per_rank, mesh_device(self.mesh)
+        runner.schedule = build_schedule(config.pipeline_schedule, [
+            EvalSafeStage(module, stage.index, total, device, group=pp_mesh.get_group())
+            for module, stage in zip(wrapped, stages)], config.pipeline_round, runner.loss)
         if self.zero1 is not None:
             runner.binding = self.zero1(deferred=ties.held())
         return runner
@@ -215,15 +227,26 @@ def _tied_groups(replicated: list[dict[str, str]], stage_modules: list[str]) -> 
             for uses in replicated]
 
 
-def _as_in_model(stage: nn.Module, whole: nn.Module) -> None:
-    """Give the stage (captured from a meta copy) the model's own tensors, under every name each has in the model,
-    and its buffers the model's persistence, so its state dicts read as the model's. torch keeps one name per
-    tensor and turns non-persistent buffers persistent; a parameter several stages use is one tensor on each, under
-    every name, as in the model."""
+def _as_in_model(stages: list[nn.Module], whole: nn.Module) -> None:
+    """Give this rank's stages (captured from a meta copy) the model's own tensors, under every name each has in
+    the model, and their buffers the model's persistence, so their state dicts read as the model's. torch keeps one
+    name per tensor and turns non-persistent buffers persistent; a parameter several stages use is one tensor on
+    each, under every name, as in the model, but for a name another of these stages computes with: that one is
+    the other stage's (its copy of a tied weight)."""
     names: dict[int, list[str]] = defaultdict(list)
     for name, tensor in [*whole.named_parameters(remove_duplicate=False), *whole.named_buffers(remove_duplicate=False)]:
         names[id(tensor)].append(name)
-    for name, _ in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]:
+    computed = [[name for name, _ in [*stage.named_parameters(remove_duplicate=False),
+                                      *stage.named_buffers(remove_duplicate=False)]] for stage in stages]
+    for stage, own in zip(stages, computed):
+        others = {name for other in computed if other is not own for name in other} - set(own)
+        _take_model_tensors(stage, whole, own, {id_: [n for n in aliases if n not in others]
+                                                for id_, aliases in names.items()})
+
+
+def _take_model_tensors(stage: nn.Module, whole: nn.Module, own: list[str], names: dict[int, list[str]]) -> None:
+    """`_as_in_model` for one stage computing with the tensors named `own`; `names`: each model tensor's names."""
+    for name in own:
         original = _tensor(whole, name)
         for alias in names[id(original)] if original is not None else []:
             path, _, leaf = alias.rpartition(".")

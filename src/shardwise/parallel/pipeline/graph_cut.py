@@ -9,7 +9,10 @@ children while it costs more than a fraction of a stage. Each unit costs
 `(1 - memory_weight) · its share of the FLOPs + memory_weight · its share of the
 parameters` (SMP's `memory_weight`: 0 balances compute only, 1 memory only), and
 the stages are the contiguous runs of units that minimise the costliest stage.
-Units placed by hand (`partition`, `set_partition`) keep their partition.
+Units placed by hand (`partition`, `set_partition`) keep their partition, a pp
+rank: each runs in the first stage on that rank from the previous placed unit's
+on, so with several stages per rank a forward that comes back to a partition runs
+there as a later (virtual) stage.
 """
 
 from __future__ import annotations
@@ -169,17 +172,18 @@ def _placements(model: nn.Module, units: list[Call], auto_partition: bool,
 
 
 def cut_graph(model: nn.Module, inputs: dict[str, Any], stages: int, memory_weight: float,
-              auto_partition: bool = True, default_partition: int = 0) -> GraphCut:
-    """Where to cut `model` into `stages` (see module docstring); `inputs` is one microbatch, by name."""
+              auto_partition: bool = True, default_partition: int = 0,
+              stage_ranks: Optional[list[int]] = None) -> GraphCut:
+    """Where to cut `model` into `stages` (see module docstring); `inputs` is one microbatch, by name;
+    `stage_ranks`: the pp rank (partition) of each stage, by default stage s on rank s."""
     root, output = captured(model, "trace", lambda: trace_calls(model, inputs))
     units = cut_units(root, stages)
     if len(units) < stages:
         raise ValueError(f"pipeline parallelism cuts {type(model).__name__} at module boundaries, but its forward "
                          f"calls only {len(units)} modules that can start a stage, fewer than the {stages} stages; "
-                         "use a smaller pipeline_parallel_degree")
-    fixed = _placements(model, units, auto_partition, default_partition)
-    if fixed is not None:
-        _check_placements(units, fixed, stages)
+                         "use a smaller pipeline_parallel_degree (or fewer virtual_stages)")
+    partitions = _placements(model, units, auto_partition, default_partition)
+    fixed = None if partitions is None else _placed_stages(units, partitions, stage_ranks or list(range(stages)))
     costs, stage_of = split_units(units, stages, memory_weight, fixed)
     starts = [i for i in range(1, len(units)) if stage_of[i] != stage_of[i - 1]]
     leaves, spec = tree_flatten(output)
@@ -196,18 +200,33 @@ def split_units(units: list[Call], stages: int, memory_weight: float,
     return costs, [s for s, size in enumerate(sizes) for _ in range(size)]
 
 
-def _check_placements(units: list[Call], fixed: list[Optional[int]], stages: int) -> None:
-    placed = [(u.path, p) for u, p in zip(units, fixed) if p is not None]
-    for (before, p), (after, q) in zip(placed, placed[1:]):
-        if q < p:
-            raise ValueError(f"pipeline placement: {after} on partition {q} runs after {before} on partition {p}; "
-                             "the module graph is cut into contiguous runs in execution order; fix: place modules "
-                             "on non-decreasing partitions in the order the forward calls them")
-    for path, p in placed:
-        if p >= stages:
-            raise ValueError(f"pipeline placement: {path} is placed on partition {p}, but pipeline_parallel_degree "
-                             f"is {stages}; fix: use partitions 0 to {stages - 1}")
-    missing = sorted(set(range(stages)) - {p for _, p in placed}) if None not in fixed else []
-    if missing:
-        raise ValueError(f"pipeline placement leaves partition {missing[0]} without a module; fix: place at least one "
-                         "module on every partition")
+def _placed_stages(units: list[Call], partitions: list[Optional[int]], ranks: list[int]) -> list[Optional[int]]:
+    """Each placed unit's stage (None: unplaced): the first stage on its partition from the previous placed
+    unit's stage on. Refuses, naming the modules, a placement no contiguous cut on `ranks` can honour."""
+    pp, order = max(ranks) + 1, f"stages run on partitions {', '.join(map(str, ranks))} in turn"
+    placed: list[tuple[int, int]] = []  # (unit index, stage)
+    for index, (unit, p) in enumerate(zip(units, partitions)):
+        if p is None:
+            continue
+        if p >= pp:
+            raise ValueError(f"pipeline placement: {unit.path} is placed on partition {p}, but "
+                             f"pipeline_parallel_degree is {pp}; fix: use partitions 0 to {pp - 1}")
+        start = placed[-1][1] if placed else 0
+        stage = next((s for s in range(start, len(ranks)) if ranks[s] == p), None)
+        if stage is None:
+            before = units[placed[-1][0]].path
+            raise ValueError(f"pipeline placement: {unit.path} on partition {p} runs after {before} on partition "
+                             f"{ranks[start]}, and no later stage runs on partition {p} (the module graph is cut "
+                             f"into contiguous runs in execution order; {order}); fix: place modules on partitions "
+                             "in that order as the forward calls them")
+        placed.append((index, stage))
+    bounds = [(-1, -1)] + placed + [(len(units), len(ranks))]
+    for (i, s), (j, t) in zip(bounds, bounds[1:]):
+        if t - s > j - i:  # the units between must give every stage between one unit at least
+            where = " and ".join(f"{side} {units[k].path}" for side, k in (("after", i), ("before", j))
+                                 if 0 <= k < len(units))
+            raise ValueError(f"pipeline placement leaves stage {s + 1} (partition {ranks[s + 1]}) without a module "
+                             f"({where}; {order}); fix: place at least one module on every stage's partition, in "
+                             "that order")
+    stage_of = dict(placed)
+    return [stage_of.get(index) for index in range(len(units))]

@@ -9,12 +9,18 @@ model's output still needs, its own and those it received (a skip connection
 passes through), so each stage receives only from the one before, as the
 schedules expect. The last stage returns the model's outputs as flat tensors;
 `rebuild` gives them the model's structure (a Hugging Face `ModelOutput`, a dict).
+
+A rank running several stages (virtual stages) reads them as one module under the
+model's names (`join_stages`): torch gives every stage module its own copy of the
+containers a cut runs through (each stage's `bert` runs a different graph), so
+these are joined, while each stage's graph module keeps calling its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
+from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -68,8 +74,26 @@ def _source(node: Any) -> Source:
     return ("input", node.target) if node.op == "placeholder" else ("value", node.name)
 
 
-def _contiguous(value: Any) -> Any:
-    return value.contiguous() if isinstance(value, torch.Tensor) else value
+def _sendable(value: Any) -> Any:
+    """A value as a stage sends it: contiguous (receive buffers are made with the sent tensors' layout, and gloo/NCCL
+    need them contiguous: an attention mask is often an expanded view), and a tensor of its own (`_Sent`)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.contiguous()
+    return _Sent.apply(value) if value.requires_grad else value.detach()
+
+
+class _Sent(torch.autograd.Function):
+    """The identity, as a tensor of its own over the same memory: the split-backward schedules detach a stage's
+    outputs in place, which a view refuses and which would cut the history of a value the stage computes with too."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -117,9 +141,7 @@ class GraphStage(nn.Module):
             output = self.module(*(get(source) for source in self._args))
         for index, name in self._outputs.items():
             values[name] = output if index is None else output[index]
-        # Contiguous: receive buffers are made with the sent tensors' layout, and gloo/NCCL need them contiguous
-        # (an attention mask is often an expanded view).
-        sent = tuple(_contiguous(get(source)) for source in self._sends)
+        sent = tuple(_sendable(get(source)) for source in self._sends)
         return sent[0] if len(sent) == 1 else sent
 
     def rebuild(self, output: Any) -> Any:
@@ -127,3 +149,49 @@ class GraphStage(nn.Module):
         tensors = iter(output if isinstance(output, tuple) else (output,))
         leaves = [next(tensors) if leaf is TENSOR else leaf for leaf in self._cut.output_leaves]
         return tree_unflatten(leaves, self._cut.output_spec)
+
+
+class _Joined(MutableMapping):
+    """The tensor tables of the modules several stages hold at one path, read as one: a tensor is read from, and
+    replaced in, the stage module holding it (sharding replaces parameters there), a new one goes to the first."""
+
+    def __init__(self, tables: list[dict[str, Any]]):
+        self.tables = tables
+
+    def _holders(self, name: str) -> list[dict[str, Any]]:
+        return [table for table in self.tables if name in table]
+
+    def __getitem__(self, name: str) -> Any:
+        holders = self._holders(name)
+        if not holders:
+            raise KeyError(name)
+        return holders[0][name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        for table in self._holders(name) or self.tables[:1]:
+            table[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        for table in self._holders(name):
+            del table[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys(name for table in self.tables for name in table))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def join_stages(modules: list[nn.Module]) -> nn.Module:
+    """One module tree over the modules of this rank's stages, named as in the model. A path one stage holds is
+    that stage's module itself; a path several hold (the containers around a cut) is a container joining their
+    children and tensor tables, so every parameter shows as the stage holding it has it."""
+    if len(modules) == 1:
+        return modules[0]
+    joined = nn.Module()
+    joined.__dict__.update(_parameters=_Joined([m._parameters for m in modules]),
+                           _buffers=_Joined([m._buffers for m in modules]),
+                           _non_persistent_buffers_set=set().union(*(m._non_persistent_buffers_set for m in modules)))
+    for name in dict.fromkeys(name for m in modules for name in m._modules):
+        joined.add_module(name, join_stages([m._modules[name] for m in modules if name in m._modules]))
+    return joined

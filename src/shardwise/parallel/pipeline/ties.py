@@ -55,6 +55,16 @@ class _Group:
         self.source = 0  # global rank holding the owner's copy in this rank's group
 
 
+def _check_names_per_stage(group: _Group, local: list[int]) -> None:
+    """A copy per local stage needs a name per local stage: the one tensor a name holds cannot be two copies."""
+    users: dict[str, int] = {}
+    for name, stage in zip(group.names, group.stages):
+        if stage in local and users.setdefault(name, stage) != stage:
+            raise ValueError(f"pipeline parallelism: {name} is used by stages {users[name]} and {stage}, which run "
+                             "on one rank, so it cannot hold a copy for each; fix: use a pipeline_schedule with one "
+                             "stage per rank (gpipe or 1f1b)")
+
+
 class TiedWeights:
     """This rank's copies of tied weights that span stages.
 
@@ -68,14 +78,18 @@ class TiedWeights:
         self.model = model
         self.groups = [_Group(names, stages) for names, stages in groups]
         for group in self.groups:
+            _check_names_per_stage(group, local)
             copies: dict[int, nn.Parameter] = {}
+            several = len({stage for stage in group.stages if stage in local}) > 1
             for name, stage in zip(group.names, group.stages):
                 if stage not in local:
                     continue
-                if stage not in copies:  # the first local stage keeps the parameter object it holds
+                if stage not in copies:
+                    # One local stage keeps the parameter object it holds. Several each get a new one, so an
+                    # optimizer built on the model's tied weight is given every copy (it is found by its names).
                     first = next(iter(copies.values()), None)
-                    copies[stage] = model.get_parameter(name) if first is None else nn.Parameter(
-                        first.detach().clone(), first.requires_grad)
+                    held = model.get_parameter(name) if first is None else first
+                    copies[stage] = nn.Parameter(held.detach().clone(), held.requires_grad) if several else held
                     group.local[stage] = name
                 path, _, pname = name.rpartition(".")
                 setattr(model.get_submodule(path), pname, copies[stage])
