@@ -44,7 +44,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
             config.pipeline_cut == "auto" and not has_block_list(module))):
         zero1 = functools.partial(_zero1, mesh, config, config.microbatches) if shards_optimizer_state(
             config, mesh.layout) else None
-        return GraphPipeline(module, mesh, config, wrap, zero1)  # cut from the module graph at the first @step
+        # cut from the module graph at the first @step
+        return GraphPipeline(module, mesh, config, wrap, zero1, tp_plan=tp_plan)
     if config.pipeline_parallel_degree > 1:  # cuts the model into stages, then the same steps per stage
         pipeline = apply_pipeline(module, mesh, config, tp_plan, split_part, wrap)
         if shards_optimizer_state(config, mesh.layout):
