@@ -61,7 +61,7 @@ def test_a_placement_coming_back_to_a_partition_runs_as_a_later_stage():
     ("zbv_zero_bubble", {"features": 2},
      "pipeline placement: features.0 is placed on partition 2, but pipeline_parallel_degree is 2; fix: use "
      "partitions 0 to 1"),
-])
+], ids=["back-to-a-partition-without-a-later-stage", "a-stage-left-empty", "beyond-the-pipeline-degree"])
 def test_a_placement_no_cut_can_honour_is_one_line_naming_the_modules(schedule, partitions, words):
     model, inputs = _placed_cnn(partitions)
     stages = 2 if schedule == "1f1b" else 4
