@@ -16,11 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.config import ConfigError
 from shardwise.parallel.pipeline.graph_cut import cut_graph
 from shardwise.testing import run_distributed
-from shardwise.topology import Cluster
-from shardwise.topology.layout import validate
 from test_pipeline import PP2, PP4, check, train_all
 from tiny_models import IMAGE, CHANNELS, TinyCNN, build, dataset
 
@@ -109,30 +106,6 @@ def test_a_forward_torch_cannot_capture_is_one_line_naming_why():
     for message in messages:
         assert message.startswith("pipeline parallelism could not trace _Branchy's forward (")
         assert "fix: make the forward capturable" in message and "\n" not in message
-
-
-def refused(config: dict) -> str:
-    sw.init(config)
-    try:
-        sw.DistributedModel(TinyCNN())
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-
-GRAPH_REFUSALS = [
-    ({**PP2, "tensor_parallel_degree": 2}, "tensor parallelism cannot split"),
-]
-
-
-@pytest.mark.parametrize("config, words", GRAPH_REFUSALS)
-def test_layouts_the_graph_cut_does_not_combine_with_are_refused(config, words):
-    """At DistributedModel for a model without blocks; before launch for `pipeline_cut: graph`."""
-    for message in run_distributed(refused, 4, config, timeout=300):
-        assert message.startswith("invalid shardwise config: ") and "TinyCNN has no list of repeated blocks" in message
-        assert words in message
-    with pytest.raises(ConfigError, match=words):
-        validate({**config, **GRAPH}, Cluster(1, 4))
 
 
 def optimizer_before_the_cut() -> str:

@@ -50,21 +50,9 @@ def _round_problems(c: ShardwiseConfig) -> Iterable[Problem]:
                       f"use a multiple of {pp}")
 
 
-def graph_cut_problems(c: ShardwiseConfig) -> Iterable[Problem]:
-    """What the module-graph cut (parallel/pipeline/graph.py) does not combine with yet. Checked here for
-    `pipeline_cut: graph`, and when a model without blocks is wrapped for `auto`."""
-    why = "the module-graph pipeline cut"
-    if c.sequence_parallel and c.tensor_parallel_degree > 1:
-        yield Problem("sequence_parallel", c.sequence_parallel, f"{why} runs the blocks as captured graphs, which "
-                      "sequence parallelism cannot shard", "use false, or hold the model's layers in an nn.ModuleList "
-                      "(the block-list cut, pipeline_cut blocks)")
-
-
 def pipeline_problems(c: ShardwiseConfig) -> Iterable[Problem]:
     """Every broken pipeline rule; none when pipeline_parallel_degree is 1."""
     if c.pipeline_parallel_degree == 1:
         return
     yield from _stage_problems(c)
     yield from _round_problems(c)
-    if c.pipeline_cut == "graph":
-        yield from graph_cut_problems(c)

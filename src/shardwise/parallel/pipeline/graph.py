@@ -17,7 +17,6 @@ its stages, and they read as one module under the model's names.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 from collections import defaultdict
 from typing import Any, Callable, ContextManager, Optional
@@ -28,8 +27,6 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 from ...api.param_mapping import adopt_model_parameters
-from ...config.errors import ConfigError
-from ...config.pipeline import graph_cut_problems
 from ...config.schema import ShardwiseConfig
 from ...runtime.mesh import ParallelMesh
 from ...topology.decisions import PrecisionMode, precision_mode
@@ -54,15 +51,6 @@ _STAGE_DTYPE = (PrecisionMode.CAST, PrecisionMode.STORED)  # the stage's paramet
 
 def memory_weight(config: ShardwiseConfig) -> float:
     return config.memory_weight if config.memory_weight is not None else _DEFAULT_MEMORY_WEIGHT[config.optimize]
-
-
-def check_graph_layout(config: ShardwiseConfig, model: nn.Module) -> None:
-    """What the module-graph cut does not combine with yet (config/pipeline.py), refused before anything runs:
-    config validation has refused it already for `pipeline_cut: graph`, this is for a model without blocks."""
-    problems = list(graph_cut_problems(config))
-    if problems:
-        raise ConfigError([dataclasses.replace(problem, rule=f"{type(model).__name__} has no list of repeated blocks, "
-                                               f"so {problem.rule}") for problem in problems])
 
 
 def _capture_copy(model: nn.Module, inputs: dict[str, Any], dtype: Optional[torch.dtype]) -> tuple[nn.Module, dict]:
@@ -121,7 +109,6 @@ class GraphPipeline(Strategy):
                  zero1: Optional[Callable[[frozenset[int]], Any]] = None, tp_plan: PlanLike = None):
         """`wrap_part`: the composition's per-part step; `zero1`: ZeRO-1's binding given the tied copies whose
         gradients the pipeline sums itself (None without ZeRO-1); `tp_plan`: the user's tensor-parallel plan."""
-        check_graph_layout(config, model)
         place(model, mesh)
         super().__init__(StageModules([]), model)
         self.mesh, self.config, self.wrap_part, self.zero1 = mesh, config, wrap_part, zero1
