@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,14 +48,17 @@ import psutil
 from statistics import median
 
 from largest_model import GiB, LAYOUTS, RANKS, Cell, config_of, prepare, prediction
+from shardwise.planner import assumptions as A
 
 MiB = 2 ** 20
-# glibc malloc settings (mallopt(3) through the environment) whose effect on the peak is measured.
+# glibc malloc settings (mallopt(3) through the environment) whose effect on the peak and the step time is measured;
+# a fixed mmap threshold is what the planner's `fixed_mmap_threshold` CPU device stands for.
+FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 ALLOCATORS = {
     "default": {},
     "arenas 2": {"MALLOC_ARENA_MAX": "2"},
-    "mmap 128 KiB": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)},
-    "arenas 2 + mmap 128 KiB": {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)},
+    "mmap 128 KiB": FIXED_MMAP,
+    "arenas 2 + mmap 128 KiB": {"MALLOC_ARENA_MAX": "2", **FIXED_MMAP},
 }
 DEFAULT_LAYOUTS = ("DDP", "ZeRO-1", "ZeRO-3", "MiCS 2×2")
 PROBE_BYTES = 64 * MiB
@@ -213,6 +217,8 @@ def measure(layout: str, cell: Cell, allocator: str, steps: int, seq: int, timeo
     ranks = launch("--rank-run=" + json.dumps(spec), ALLOCATORS[allocator], timeout)
     busiest = max(ranks, key=lambda r: max(p["peak"]["rss"] for p in r["phases"].values()))
     planned = prediction(layout, "plain", cell, SimpleNamespace(seq=seq, capacity=8 * GiB))
+    if FIXED_MMAP.items() <= ALLOCATORS[allocator].items():  # the retention of a device with fixed_mmap_threshold
+        planned = replace(planned, retention=A.HOST_RETAINED_BYTES_FIXED_THRESHOLD)
     phases = {name: {"end": p.get("end", p["peak"])["rss"], "peak": p["peak"]["rss"]}
               for name, p in busiest["phases"].items()}
     return {"layout": layout, "cell": cell.name, "params": cell.spec(seq).parameters, "allocator": allocator,

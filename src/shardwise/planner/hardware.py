@@ -46,6 +46,8 @@ class DeviceSpec:
     runtime_reserve_bytes: float = 0.0   # CUDA context, library workspaces (a CPU: the process): never for tensors
     kernels: Kernels = field(default_factory=Kernels)
     memory_is_host: bool = False         # a CPU: offloading to host memory moves nothing and saves nothing
+    fixed_mmap_threshold: bool = False   # a CPU whose ranks run with MALLOC_MMAP_THRESHOLD_ set: glibc keeps no freed
+                                         # large blocks (planner.md; off by default, it costs step time)
 
     def supports(self, dtype: str) -> bool:
         return dtype in self.peak_flops
@@ -131,7 +133,8 @@ def cluster_preset(text: str, **overrides) -> ClusterSpec:
     """Parse `[N x]preset` (e.g. `16xp4d.24xlarge`, `p5.48xlarge`, `local`) into a ClusterSpec.
 
     `overrides` replace any field (nodes, devices_per_node, bandwidths, ...); None means keep.
-    `device_memory_bytes` replaces the device's memory, `peak_flops` its peak for every precision it has.
+    `device_memory_bytes` replaces the device's memory, `peak_flops` its peak for every precision it has,
+    `fixed_mmap_threshold` says whether CPU ranks run with a fixed glibc mmap threshold.
     """
     match = _FORM.match(text.strip())
     name = match.group(2).removeprefix("ml.") if match else text
@@ -150,10 +153,13 @@ def cluster_preset(text: str, **overrides) -> ClusterSpec:
 def _device_overrides(device: DeviceSpec, overrides: dict) -> DeviceSpec:
     memory = overrides.pop("device_memory_bytes", None)
     flops = overrides.pop("peak_flops", None)
+    fixed_mmap_threshold = overrides.pop("fixed_mmap_threshold", None)
     if memory is not None:
         device = replace(device, memory_bytes=memory)
     if flops is not None:
         device = replace(device, peak_flops={dtype: flops for dtype in device.peak_flops})
+    if fixed_mmap_threshold is not None:
+        device = replace(device, fixed_mmap_threshold=fixed_mmap_threshold)
     return device
 
 

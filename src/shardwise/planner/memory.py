@@ -13,7 +13,8 @@ all three of ZeRO-2/3's, in host memory (offload.py).
 
 A device with a runtime reserve cannot give it to tensors: a GPU's CUDA context and library
 workspaces, a CPU rank's process itself (Python, torch, the process group). A CPU rank's
-allocator also keeps memory the step freed (`retention`), which no tensor accounting sees.
+allocator also keeps memory the step freed (`retention`), which no tensor accounting sees; far less
+when its ranks run with a fixed mmap threshold (`DeviceSpec.fixed_mmap_threshold`).
 """
 
 from __future__ import annotations
@@ -86,9 +87,13 @@ def model_state_bytes(parameters: float, config: ShardwiseConfig, layout: Layout
 
 def host_retention(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, device: Optional[DeviceSpec]) -> float:
     """Freed bytes glibc malloc keeps in a CPU rank (assumptions.py): a share common to every layout, and under
-    FSDP2 a multiple of each gathered block's full size while blocks stay under malloc's mmap ceiling."""
+    FSDP2 a multiple of each gathered block's full size while blocks stay under malloc's mmap ceiling. With a
+    fixed mmap threshold every large block goes back to the system on free: only the pages training adds outside
+    malloc stay."""
     if device is None or not device.memory_is_host:
         return 0.0
+    if device.fixed_mmap_threshold:
+        return A.HOST_RETAINED_BYTES_FIXED_THRESHOLD
     block = spec.layer_parameters / layout.tp * compute_bytes(config)
     gathered = fully_sharded(config) and block < A.MALLOC_MMAP_CEILING
     per_block = A.HOST_RETAINED_PER_GATHERED_BLOCK * block if gathered else 0.0
