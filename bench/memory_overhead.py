@@ -42,10 +42,10 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from statistics import median
 from types import SimpleNamespace
 
 import psutil
-from statistics import median
 
 from largest_model import GiB, LAYOUTS, RANKS, Cell, config_of, prepare, prediction
 from shardwise.planner import assumptions as A
