@@ -68,3 +68,17 @@ def test_a_placement_no_cut_can_honour_is_one_line_naming_the_modules(schedule, 
     with pytest.raises(ValueError) as error:
         cut_graph(model, inputs, stages, memory_weight=0.8, stage_ranks=stage_ranks(schedule, 2, stages))
     assert str(error.value) == words
+
+
+def _zbv_bert_with_replicas() -> str:
+    try:
+        train_all({**PP2, "microbatches": 2, "pipeline_schedule": "zbv_zero_bubble", **GRAPH}, kinds=("bert",))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_weight_tied_across_two_stages_of_one_rank_is_refused_with_data_parallelism():
+    for message in run_distributed(_zbv_bert_with_replicas, 4, timeout=300):
+        assert message.startswith("pipeline parallelism: bert.embeddings.word_embeddings.weight is tied to "
+                                  "cls.predictions.decoder.weight on stages [0, 3] of one rank"), message

@@ -148,7 +148,9 @@ class GraphPipeline(Strategy):
             self.tensor.adopt(module)
             checkpointing.restore_checkpointing(module, checkpointed)
         inner = join_stages(modules)
-        ties = TiedWeights(inner, _tied_groups(pipe.replicated_params, wiring.module_names), local)
+        tied = _tied_groups(pipe.replicated_params, wiring.module_names)
+        _refuse_copies_on_one_rank_with_replicas(tied, ranks, mesh.layout.dp, self.config.pipeline_schedule)
+        ties = TiedWeights(inner, tied, local)
         ties.connect(mesh.layout, dist.get_rank(), ranks)
         ties.broadcast_values()
         stages = [GraphStage(module, wiring, stage, cut) for module, stage in zip(modules, local)]
@@ -206,6 +208,23 @@ class GraphPipeline(Strategy):
         if self.zero1 is not None:
             runner.binding = self.zero1(deferred=ties.held())
         return runner
+
+
+def _refuse_copies_on_one_rank_with_replicas(tied: list[tuple[list[str], list[int]]], ranks: list[int], dp: int,
+                                             schedule: str) -> None:
+    """A weight tied across two stages of one rank trains wrong with data parallelism (its second copy's gradient
+    comes back zero), so that is refused, on every rank alike, until it is fixed."""
+    for names, stages in tied:
+        by_rank: dict[int, set[int]] = defaultdict(set)
+        for stage in stages:
+            by_rank[ranks[stage]].add(stage)
+        on_rank = max(by_rank.values(), key=len)
+        if dp > 1 and len(on_rank) > 1:
+            raise ValueError(f"pipeline parallelism: {names[0]} is tied to {', '.join(names[1:])} on stages "
+                             f"{sorted(on_rank)} of one rank under pipeline_schedule {schedule}, which does not "
+                             f"train with the same math under data parallelism (degree {dp}) yet; fix: use a "
+                             "schedule that places those stages on different ranks (interleaved_1f1b, "
+                             "interleaved_zero_bubble, 1f1b), or untie the weights")
 
 
 def _tied_groups(replicated: list[dict[str, str]], stage_modules: list[str]) -> list[tuple[list[str], list[int]]]:
