@@ -48,6 +48,11 @@ LAYOUTS: dict[str, tuple[int, int, dict]] = {
 # risk): they run in VARIANT_ROWS only.
 VARIANTS: dict[str, tuple[int, int, dict]] = {
     "mics-bf16-cross": (4, 4, {"sharded_data_parallel_degree": 2, "cross_group_reduce_dtype": "bf16"}),
+    # the module-graph cut with two stages per rank, and with tensor-parallel stages
+    "pp-graph-interleaved": (4, 4, {"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline_cut": "graph",
+                                    "pipeline_schedule": "interleaved_1f1b"}),
+    "pp-graph-tp": (4, 4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
+                           "pipeline_cut": "graph"}),
 }
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 # What moves to host memory: nothing, the optimizer's states (and what it steps), or checkpointed regions' inputs.
@@ -69,6 +74,8 @@ REGRESSIONS = [
 VARIANT_ROWS = [
     ("mics-bf16-cross", "gpt2", "fp32", True, True, "after", False, "none"),
     ("mics-bf16-cross", "bert", "bf16", False, False, "before", True, "optimizer"),
+    ("pp-graph-interleaved", "bert", "fp32", True, False, "after", True, "none"),
+    ("pp-graph-tp", "gpt2", "fp32", False, True, "before", True, "none"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {
