@@ -4,11 +4,12 @@ pp 2 × tp 2 on 4 ranks, the same math as one process (losses, every whole param
 rank holding only its stage): GPT-2 under `pipeline_cut: graph` (its packed Q/K/V split chunk by chunk, its heads
 per rank, the vocabulary-parallel embedding and head tied across the first and last stage), and a classifier built
 as an nn.Sequential of SMP's DistributedLinear layers, which has no blocks, so the graph cut is automatic (its last
-layer, 5 outputs, is left whole: tp 2 does not divide it).
+layer, 5 outputs, is left whole: tp 2 does not divide it); and BERT, Llama, and GPT-2 with two stages per rank.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -64,3 +65,12 @@ def test_same_math_as_one_process_with_tensor_parallel_stages():
     assert set().union(*(set(r["keys"]) for r in classifiers)) == names
     assert all(set(r["keys"]) < names for r in classifiers), "each rank holds only its stage, under the model's names"
     assert all(r["split"] for r in classifiers), "every stage holds layers split over the tp axis"
+
+
+@pytest.mark.parametrize("schedule, kinds", [("1f1b", ("bert", "llama")), ("interleaved_1f1b", ("gpt2",))],
+                         ids=["bert-llama-1f1b", "gpt2-two-stages-per-rank"])
+def test_same_math_as_one_process_for_more_models_and_schedules(schedule, kinds):
+    """BERT (tuple layers, the word embedding tied to the decoder across stages) and Llama under 1F1B, and GPT-2
+    with two tensor-parallel stages per rank."""
+    config = {**CONFIG, "pipeline_cut": "graph", "pipeline_schedule": schedule}
+    check(config, run_distributed(train_all, 4, config, kinds=kinds, timeout=300))
