@@ -17,7 +17,8 @@ OVERLAP_EFFICIENCY = 0.8
 FRAGMENTATION_MARGIN = 0.10
 
 # A CPU rank's process before its model (bench/memory_overhead.py, docs/benchmarks.md): Python, torch and
-# transformers imported and a gloo process group: 0.32-0.33 GiB resident on Linux, torch 2.13.
+# transformers imported and a gloo process group: 0.32-0.33 GiB resident on Linux, torch 2.13 (0.39 GiB in a fresh
+# virtualenv: it depends on the installed packages' versions).
 HOST_PROCESS_BYTES = 0.33 * 2 ** 30
 
 # Freed memory glibc malloc keeps in a CPU rank's heap at the peak: small and mid-sized chunks stay for reuse
