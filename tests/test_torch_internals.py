@@ -35,6 +35,7 @@ from shardwise.torch_internals import (
     at_backward_end,
     children_table,
     clear_dtensor_caches,
+    drop_forward_hooks,
     flatten_mesh,
     flight_recorder_trace,
     process_groups,
@@ -274,6 +275,17 @@ def test_pipeline_stage_members_the_eval_safe_stage_overrides(mesh):
 
 
 # ----- nn.Module -----
+
+def test_drop_forward_hooks_removes_the_hooks_a_parallel_style_registers(mesh):
+    layer = nn.Linear(4, 4)
+    parallelize_module(layer, mesh, ColwiseParallel())
+    x = torch.ones(2, 4)
+    assert type(layer(x)) is torch.Tensor  # the style's hooks turn the input into a DTensor and the output back
+    drop_forward_hooks(layer)
+    assert not (layer._forward_pre_hooks or layer._forward_pre_hooks_with_kwargs or layer._forward_hooks
+                or layer._forward_hooks_with_kwargs)
+    assert type(layer.weight) is DTensor  # the split weight stays
+
 
 def test_children_table_edits_a_module_list_without_renumbering():
     blocks = nn.ModuleList(nn.Linear(1, 1) for _ in range(4))

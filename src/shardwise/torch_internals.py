@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 __all__ = [
-    "FakeTensorMode", "at_backward_end", "children_table", "clear_dtensor_caches", "flatten_mesh",
+    "FakeTensorMode", "at_backward_end", "children_table", "clear_dtensor_caches", "drop_forward_hooks", "flatten_mesh",
     "flight_recorder_trace", "process_groups", "replicate", "set_group_timeout",
     "strided_shard", "style_input_fn", "style_output_fn", "TorchDispatchMode",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
@@ -119,6 +119,14 @@ def children_table(module: nn.Module) -> dict[str, nn.Module | None]:
     """The module's own table of children, to edit in place (e.g. drop blocks without renumbering the rest)."""
     # nn.Module._modules; setattr / del cover single changes, but no public API edits the table as a whole.
     return module._modules
+
+
+def drop_forward_hooks(module: nn.Module) -> None:
+    """Remove every forward (pre-)hook of `module`: DTensor's parallel styles register theirs and keep no handle."""
+    # nn.Module's hook tables; the public API removes a hook only through the handle its registration returned.
+    for hooks in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs, module._forward_hooks,
+                  module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+        hooks.clear()
 
 
 def strided(tensor: torch.Tensor) -> bool:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.export.unflatten import InterpreterModule
 
+from ...torch_internals import drop_forward_hooks
 from ..tensor import PlanLike, TensorParallelBatch, apply_tensor_parallel, plan_for
 from ..tensor.loss import VOCAB_SHARDED_OUTPUT
 from ..tensor.plan import assignments
@@ -33,13 +34,6 @@ from ..tensor.plan import assignments
 
 def _holds_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
-
-
-def _drop_forward_hooks(module: nn.Module) -> None:
-    """nn.Module keeps its hooks in these dicts; DTensor's styles keep no handles to remove them by."""
-    for hooks in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs, module._forward_hooks,
-                  module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
-        hooks.clear()
 
 
 class GraphTensorParallel:
@@ -74,7 +68,7 @@ class GraphTensorParallel:
         from one forward of `model` on `inputs`), made from its input and its parameters, so torch places them and
         sees the weights stages share. The graph captured inside a layer is dropped again (`adopt`)."""
         for path in self.styled:
-            _drop_forward_hooks(copy.get_submodule(path))
+            drop_forward_hooks(copy.get_submodule(path))
         for path, shape in _output_shapes(model, self.layers, inputs).items():
             stand_in = copy.get_submodule(path)
             stand_in.forward = functools.partial(_shaped, stand_in, shape)
