@@ -26,7 +26,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import fx, nn
 
-from ...torch_internals import tree_unflatten
+from ...torch_internals import children_table, tree_unflatten
 from .graph_cut import TENSOR, GraphCut
 
 Source = tuple[str, str]  # ("input", argument name) or ("value", root-graph node name)
@@ -192,6 +192,7 @@ def join_stages(modules: list[nn.Module]) -> nn.Module:
     joined.__dict__.update(_parameters=_Joined([m._parameters for m in modules]),
                            _buffers=_Joined([m._buffers for m in modules]),
                            _non_persistent_buffers_set=set().union(*(m._non_persistent_buffers_set for m in modules)))
-    for name in dict.fromkeys(name for m in modules for name in m._modules):
-        joined.add_module(name, join_stages([m._modules[name] for m in modules if name in m._modules]))
+    children = [children_table(m) for m in modules]
+    for name in dict.fromkeys(name for table in children for name in table):
+        joined.add_module(name, join_stages([table[name] for table in children if name in table]))
     return joined
