@@ -335,11 +335,13 @@ def search(count: int, first: int, fits: Callable[[int], bool]) -> tuple[Optiona
     return (lo if lo >= 0 else None), probes
 
 
-def prediction(layout: str, variant: str, cell: Cell, args):
-    """The planner's MemoryBreakdown for one rank (the `local` device: this machine's memory shared by the ranks)."""
+def prediction(layout: str, variant: str, cell: Cell, args, fixed_mmap_threshold: bool = False):
+    """The planner's MemoryBreakdown for one rank (the `local` device: this machine's memory shared by the ranks;
+    `fixed_mmap_threshold`: its ranks run with glibc's mmap threshold fixed)."""
     parsed = parse_config(config_of(layout, variant))
     micro = ROWS // parsed.microbatches * parsed.tensor_parallel_degree  # a TP group trains its ranks' rows
-    device = replace(cluster_preset("local", devices_per_node=RANKS).device, memory_bytes=args.capacity)
+    preset = cluster_preset("local", devices_per_node=RANKS, fixed_mmap_threshold=fixed_mmap_threshold)
+    device = replace(preset.device, memory_bytes=args.capacity)
     return predict_memory(cell.spec(args.seq), parsed, layout_for(parsed, Cluster(1, RANKS)), micro, args.seq,
                           checkpointing_of(variant), device)
 

@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from statistics import median
 from types import SimpleNamespace
@@ -48,7 +47,6 @@ from types import SimpleNamespace
 import psutil
 
 from largest_model import GiB, LAYOUTS, RANKS, Cell, config_of, prepare, prediction
-from shardwise.planner import assumptions as A
 
 MiB = 2 ** 20
 # glibc malloc settings (mallopt(3) through the environment) whose effect on the peak and the step time is measured;
@@ -216,9 +214,8 @@ def measure(layout: str, cell: Cell, allocator: str, steps: int, seq: int, timeo
             "steps": steps, "checkpointing": False}
     ranks = launch("--rank-run=" + json.dumps(spec), ALLOCATORS[allocator], timeout)
     busiest = max(ranks, key=lambda r: max(p["peak"]["rss"] for p in r["phases"].values()))
-    planned = prediction(layout, "plain", cell, SimpleNamespace(seq=seq, capacity=8 * GiB))
-    if FIXED_MMAP.items() <= ALLOCATORS[allocator].items():  # the retention of a device with fixed_mmap_threshold
-        planned = replace(planned, retention=A.HOST_RETAINED_BYTES_FIXED_THRESHOLD)
+    planned = prediction(layout, "plain", cell, SimpleNamespace(seq=seq, capacity=8 * GiB),
+                         fixed_mmap_threshold=FIXED_MMAP.items() <= ALLOCATORS[allocator].items())
     phases = {name: {"end": p.get("end", p["peak"])["rss"], "peak": p["peak"]["rss"]}
               for name, p in busiest["phases"].items()}
     return {"layout": layout, "cell": cell.name, "params": cell.spec(seq).parameters, "allocator": allocator,
