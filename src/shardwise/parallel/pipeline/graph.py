@@ -148,6 +148,7 @@ class GraphPipeline(Strategy):
             self.tensor.adopt(module)
             checkpointing.restore_checkpointing(module, checkpointed)
         inner = join_stages(modules)
+        self.tensor.mark_output(inner)
         tied = _tied_groups(pipe.replicated_params, wiring.module_names)
         _refuse_copies_on_one_rank_with_replicas(tied, ranks, mesh.layout.dp, self.config.pipeline_schedule)
         ties = TiedWeights(inner, tied, local)

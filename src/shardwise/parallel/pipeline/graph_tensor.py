@@ -87,7 +87,11 @@ class GraphTensorParallel:
             _check_one_in_one_out(captured, path, layer)
             parent, _, name = path.rpartition(".")
             setattr(stage.get_submodule(parent), name, layer)
-        setattr(stage, VOCAB_SHARDED_OUTPUT, self.vocab_sharded)  # the runner's loss_context reads it
+
+    def mark_output(self, module: nn.Module) -> None:
+        """Say on the module the runner computes the loss with (a rank's stages as one) whether the model's output
+        is sharded over the vocabulary: the runner's loss_context reads it."""
+        setattr(module, VOCAB_SHARDED_OUTPUT, self.vocab_sharded)
 
     def install(self, stage: nn.Module, is_last: bool) -> None:
         """Gather the model's inputs (keywords) in the group before the stage; on the last stage give each rank back
