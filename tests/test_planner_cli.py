@@ -91,3 +91,14 @@ def test_bad_input_is_one_line_on_stderr_with_exit_2(capsys, args, message):
     out, err = capsys.readouterr()
     assert code == 2
     assert err.startswith("shardwise plan: ") and message in err and err.count("\n") == 1
+
+
+def test_link_efficiency_flag_reaches_the_plan_and_refuses_a_share_above_one(capsys):
+    def best_step(*flags) -> float:
+        assert main(["plan", "--model", "gpt2", "--cluster", "2xp4d.24xlarge", "--json", *flags]) == 0
+        return min(e["step_time_s"] for e in json.loads(capsys.readouterr().out) if e["fits"])
+
+    assert best_step("--link-efficiency", "0.2") > best_step("--link-efficiency", "1")
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--model", "gpt2", "--cluster", "local", "--link-efficiency", "1.5"])
+    assert stop.value.code == 2 and "'1.5' is above 1; fix: pass a share in (0, 1]" in capsys.readouterr().err

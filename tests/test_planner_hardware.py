@@ -2,7 +2,8 @@
 
 import pytest
 
-from shardwise.planner import PlanError, cluster_preset, custom_cluster
+from shardwise.planner import PlanError, assumptions, cluster_preset, custom_cluster
+from shardwise.planner.collectives import GroupShape, collective_time
 from shardwise.planner.hardware import GiB
 
 
@@ -36,6 +37,15 @@ def test_custom_cluster():
     cluster = custom_cluster(nodes=2, devices_per_node=4, device_memory_bytes=24 * GiB, peak_flops=100e12,
                              intra_node_bandwidth=50e9, inter_node_bandwidth=25e9)
     assert cluster.world_size == 8 and cluster.topology.devices_per_node == 4
+
+
+def test_link_efficiency_is_the_clusters_and_scales_what_bytes_cost():
+    assert cluster_preset("p4d.24xlarge").link_efficiency == assumptions.LINK_EFFICIENCY
+    assert cluster_preset("local").link_efficiency == assumptions.TCP_LINK_EFFICIENCY
+    nccl, half = cluster_preset("2xp4d.24xlarge"), cluster_preset("2xp4d.24xlarge", link_efficiency=0.4)
+    shape = GroupShape(size=16, per_node=8, nodes=2)
+    full, slow = (collective_time("all_reduce", 2 ** 30, shape, c) for c in (nccl, half))
+    assert slow.inter > 1.9 * full.inter and slow.intra > 1.9 * full.intra     # latency aside, twice the time
 
 
 @pytest.mark.parametrize("text,message", [

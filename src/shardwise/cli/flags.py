@@ -19,3 +19,11 @@ def positive(kind: type):
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun} above 0; fix: pass {noun} above 0")
         return value
     return parse
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]: a share of something, e.g. of a link's bandwidth."""
+    value = positive(float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is above 1; fix: pass a share in (0, 1], e.g. 0.8")
+    return value

@@ -5,8 +5,13 @@
 ACHIEVABLE_FLOPS_FRACTION = 0.5
 
 # Fraction of a link's nominal per-direction bandwidth a collective achieves (NCCL bus bandwidth
-# on NVLink/EFA/InfiniBand measures 75-85 % of nominal).
+# on NVLink/EFA/InfiniBand measures 75-85 % of nominal). A cluster may give its own (ClusterSpec.link_efficiency).
 LINK_EFFICIENCY = 0.8
+
+# gloo's collectives are TCP streams: a saturated stream carries its payload at the line rate less the
+# frames' headers (1448 payload bytes per 1514-byte Ethernet frame at MTU 1500, 0.956). bench/link.py's
+# shaped link measured this (docs/benchmarks.md); 0.8 predicted every configuration 6-30 % slow there.
+TCP_LINK_EFFICIENCY = 0.95
 
 # While a collective overlaps compute, both slow each other (shared SMs and memory bandwidth):
 # this fraction of the overlapped interval is hidden, the rest is paid twice.

@@ -1,7 +1,7 @@
 """Time of one collective on the links it crosses (ring inside a node, hierarchical across nodes).
 
 Costs are per rank, in the alpha-beta model: each of a ring's steps pays the link
-latency, and each byte pays the link's bandwidth times `LINK_EFFICIENCY`. A group
+latency, and each byte pays the link's bandwidth times the cluster's `link_efficiency`. A group
 that spans nodes runs hierarchically (as NCCL does across NVLink and the network):
 the intra-node part moves the whole buffer over the node's links, the inter-node
 part moves 1/r of it per rank, and all ranks of a node share the node's NICs.
@@ -18,7 +18,6 @@ from functools import lru_cache
 from itertools import product
 
 from ..topology import Layout
-from . import assumptions as A
 from .hardware import ClusterSpec
 
 # Steps (and volume multiples) of a ring: all-reduce = reduce-scatter + all-gather. Broadcasts of
@@ -85,11 +84,11 @@ def collective_time(kind: str, nbytes: float, shape: GroupShape, cluster: Cluste
     r, k = shape.per_node, shape.nodes
     intra = 0.0
     if r > 1:
-        intra_bw = cluster.intra_node_bandwidth * A.LINK_EFFICIENCY
+        intra_bw = cluster.intra_node_bandwidth * cluster.link_efficiency
         intra = passes * ((r - 1) / r * nbytes / intra_bw + calls * (r - 1) * cluster.intra_node_latency)
     if k == 1:
         return LinkTime(intra=intra)
-    per_rank_bw = cluster.inter_node_bandwidth * A.LINK_EFFICIENCY / cluster.devices_per_node
+    per_rank_bw = cluster.inter_node_bandwidth * cluster.link_efficiency / cluster.devices_per_node
     inter = passes * ((k - 1) / k * nbytes / r / per_rank_bw + calls * (k - 1) * cluster.inter_node_latency)
     return LinkTime(intra=intra, inter=inter)
 
@@ -99,16 +98,16 @@ def _flat_ring_time(kind: str, nbytes: float, shape: GroupShape, cluster: Cluste
     slowest edge, which between nodes shares the node's link with the edges of the node's other groups."""
     steps, n = _GLOO_PASSES[kind] * (shape.size - 1), shape.size
     if not shape.crosses_nodes:
-        bandwidth = cluster.intra_node_bandwidth * A.LINK_EFFICIENCY
+        bandwidth = cluster.intra_node_bandwidth * cluster.link_efficiency
         return LinkTime(intra=steps * (nbytes / n / bandwidth + calls * cluster.intra_node_latency))
     sharing = cluster.devices_per_node / shape.per_node
-    bandwidth = cluster.inter_node_bandwidth * A.LINK_EFFICIENCY / sharing
+    bandwidth = cluster.inter_node_bandwidth * cluster.link_efficiency / sharing
     return LinkTime(inter=steps * (nbytes / n / bandwidth + calls * cluster.inter_node_latency))
 
 
 def p2p_time(nbytes: float, crosses_nodes: bool, cluster: ClusterSpec) -> LinkTime:
     """One pipeline send between neighbouring stages."""
     if crosses_nodes:
-        bw = cluster.inter_node_bandwidth * A.LINK_EFFICIENCY / cluster.devices_per_node
+        bw = cluster.inter_node_bandwidth * cluster.link_efficiency / cluster.devices_per_node
         return LinkTime(inter=nbytes / bw + cluster.inter_node_latency)
-    return LinkTime(intra=nbytes / (cluster.intra_node_bandwidth * A.LINK_EFFICIENCY) + cluster.intra_node_latency)
+    return LinkTime(intra=nbytes / (cluster.intra_node_bandwidth * cluster.link_efficiency) + cluster.intra_node_latency)

@@ -66,6 +66,7 @@ class ClusterSpec:
     inter_node_bandwidth: float   # bytes/s per node, per direction (all NICs together)
     inter_node_latency: float     # seconds per collective step between nodes
     flat_rings: bool = False      # gloo: one ring over a group's ranks, reduce-scatter as a whole all-reduce
+    link_efficiency: float = A.LINK_EFFICIENCY  # share of a link's bandwidth a collective's bytes get
 
     @property
     def topology(self) -> Cluster:
@@ -122,7 +123,8 @@ def local_node(processes: Optional[int] = None) -> dict:
                      kernels=Kernels(dropout_mask_bytes=None, flash_attention=True, flash_attention_dropout=False,
                                      math_attention_bytes=4), memory_is_host=True)
     return dict(devices_per_node=processes, device=cpu, intra_node_bandwidth=5 * GB,
-                intra_node_latency=50e-6, inter_node_bandwidth=1.25 * GB, inter_node_latency=100e-6, flat_rings=True)
+                intra_node_latency=50e-6, inter_node_bandwidth=1.25 * GB, inter_node_latency=100e-6, flat_rings=True,
+                link_efficiency=A.TCP_LINK_EFFICIENCY)
 
 
 PRESETS = sorted([*_NODES, "local"])
@@ -171,7 +173,8 @@ CUSTOM_DEFAULTS = dict(memory_bandwidth=1500 * GB, host_bandwidth=25 * GB, intra
 def custom_cluster(*, nodes: int, devices_per_node: int, device_memory_bytes: float, peak_flops: float,
                    intra_node_bandwidth: float, inter_node_bandwidth: float,
                    intra_node_latency: Optional[float] = None,
-                   inter_node_latency: Optional[float] = None) -> ClusterSpec:
+                   inter_node_latency: Optional[float] = None,
+                   link_efficiency: Optional[float] = None) -> ClusterSpec:
     """A cluster described value by value; `peak_flops` applies to every precision."""
     defaults = CUSTOM_DEFAULTS
     device = DeviceSpec("custom device", device_memory_bytes, {d: peak_flops for d in ("fp32", "bf16", "fp16")},
@@ -180,4 +183,5 @@ def custom_cluster(*, nodes: int, devices_per_node: int, device_memory_bytes: fl
                        intra_node_bandwidth=intra_node_bandwidth,
                        intra_node_latency=intra_node_latency or defaults["intra_node_latency"],
                        inter_node_bandwidth=inter_node_bandwidth,
-                       inter_node_latency=inter_node_latency or defaults["inter_node_latency"])
+                       inter_node_latency=inter_node_latency or defaults["inter_node_latency"],
+                       link_efficiency=link_efficiency or A.LINK_EFFICIENCY)
