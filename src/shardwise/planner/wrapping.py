@@ -28,7 +28,10 @@ own decision, read from `topology/decisions.py`:
   only the root (embedding, head) and the current and prefetched block. (An untied
   embedding or head of half a block or more is a unit of its own and is freed too:
   this counts it gathered, an overestimate of at most those two.) Gradients
-  are reduce-scattered and kept in fp32, and the root returns fp32 outputs.
+  are reduce-scattered and kept in fp32, and the root returns fp32 outputs. The
+  root reduces its own gradients only when backward ends, so a tied embedding's,
+  computed at the head, stays unsharded through the whole backward beside each
+  block's (measured RSS, bench/memory_overhead.py: 0.1-0.4 GiB on GPT-2).
 """
 
 from __future__ import annotations
@@ -175,14 +178,34 @@ def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> 
     return low * (rank_params - blocks + in_flight)
 
 
+def root_unit_parameters(spec: ModelSpec, layout: Layout) -> float:
+    """Parameters of the busiest stage that FSDP2's root unit holds: those in no block and in no unit of their own
+    (parallel/wrap.py: an embedding or head tensor of half a block or more, unless tied). The root reduces its
+    gradients when backward ends, so a tied head's gradient, computed first, is alive through the whole backward.
+    A module-graph cut's units are not modelled (0)."""
+    if spec.graph_stages(layout.pp):
+        return 0.0
+    outside = spec.stage_parameters(layout.pp) - spec.stage_layers(layout.pp) * spec.layer_parameters
+    tied = (spec.vocab * spec.hidden,) if spec.tied_head else ()
+    embedding = tuple(t for t in spec.embedding_tensors if t not in tied)
+    if layout.pp == 1:
+        candidates = embedding + spec.head_tensors
+    else:
+        first = sum(spec.embedding_tensors) >= sum(spec.head_tensors + tied)
+        candidates = embedding if first else spec.head_tensors
+    own_units = sum(t for t in candidates if t >= spec.layer_parameters / 2)
+    return max(outside - own_units, 0)
+
+
 def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int) -> float:
     """DDP's fp32 bucket copy of every gradient; FSDP2's unsharded block gradients and their fp32
-    reduce-scatter input; ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16; pipeline
+    reduce-scatter input beside the root unit's unsharded gradients (then their reduce-scatter input); ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16; pipeline
     send/receive buffers."""
     low = compute_bytes(config)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
     if fully_sharded(config):
-        buffers = spec.layer_parameters / layout.tp * (low + REDUCE_BYTES)
+        block, root = spec.layer_parameters / layout.tp, root_unit_parameters(spec, layout) / layout.tp
+        buffers = root * low + max(block * (low + REDUCE_BYTES), root * REDUCE_BYTES)
     elif config.sharded_master_weights:
         in_flight = IN_FLIGHT * reduce_buckets(spec, layout).largest
         buffers = REDUCE_BYTES * (rank_params * optimizer_share(spec, config, layout) + in_flight)
