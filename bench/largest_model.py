@@ -3,6 +3,7 @@
     python bench/largest_model.py [--layouts DDP,ZeRO-3,...] [--variants plain,checkpointing,offload]
                                   [--depths 6,12,24,48] [--widths 512,768,1024,1536,2048] [--seq 64]
                                   [--steps 2] [--memory-gib GiB] [--json FILE] [--plot FILE] [--smoke]
+                                  [--replan FILE]
 
 Layouts run on 4 gloo CPU ranks: DDP, ZeRO-1, ZeRO-2, ZeRO-3, MiCS 2×2, TP 2 and
 PP 2 (each beside data parallelism over the other ranks). Variants: plain; every
@@ -361,10 +362,20 @@ def planned_moves(layout: str, variant: str, cell: Cell, args) -> dict:
             "optimizer": state_transfers(spec, parsed, shape, None)._asdict()}
 
 
+def planner_largest(layout: str, variant: str, cells: list[Cell], args) -> tuple[list[float], int]:
+    """The planner's total for every model of the grid, and the index of the largest that fits (-1: none)."""
+    predicted = [predicted_total(layout, variant, cell, args) for cell in cells]
+    return predicted, max((i for i, total in enumerate(predicted) if total <= args.capacity), default=-1)
+
+
+def _planner_columns(layout: str, variant: str, cells: list[Cell], planner: int, args) -> dict:
+    return {"planner": cells[planner].name if planner >= 0 else None,
+            "planner_params": cells[planner].spec(args.seq).parameters if planner >= 0 else 0}
+
+
 def largest(layout: str, variant: str, cells: list[Cell], args) -> dict:
     """Search the grid for one layout and variant; the planner's largest fitting model beside it."""
-    predicted = [predicted_total(layout, variant, cell, args) for cell in cells]
-    planner = max((i for i, total in enumerate(predicted) if total <= args.capacity), default=-1)
+    predicted, planner = planner_largest(layout, variant, cells, args)
     outcomes: dict[int, Outcome] = {}
 
     def fits(index: int) -> bool:
@@ -380,8 +391,7 @@ def largest(layout: str, variant: str, cells: list[Cell], args) -> dict:
               f"{outcome.seconds:.0f} s){' — ' + outcome.reason if outcome.reason else ''}", flush=True)
         return outcome.fits
 
-    row = {"layout": layout, "variant": variant, "planner": cells[planner].name if planner >= 0 else None,
-           "planner_params": cells[planner].spec(args.seq).parameters if planner >= 0 else 0}
+    row = {"layout": layout, "variant": variant, **_planner_columns(layout, variant, cells, planner, args)}
     try:
         found, probes = search(len(cells), planner, fits)
     except TrialError as err:
@@ -392,6 +402,20 @@ def largest(layout: str, variant: str, cells: list[Cell], args) -> dict:
                trials=[asdict(outcomes[i]) for i in probes])
     if found is not None and variant == "offload":
         row.update(moved=outcomes[found].moved, planned_moves=planned_moves(layout, variant, cells[found], args))
+    return row
+
+
+def replan(row: dict, cells: list[Cell], args) -> dict:
+    """A saved row with its planner columns recomputed by the planner as it is now: its largest model, its
+    total for each trial, and its bytes moved for the largest model trained."""
+    layout, variant = row["layout"], row["variant"]
+    predicted, planner = planner_largest(layout, variant, cells, args)
+    by_name = {cell.name: total for cell, total in zip(cells, predicted)}
+    row = {**row, **_planner_columns(layout, variant, cells, planner, args),
+           "trials": [{**t, "predicted": by_name[t["cell"]]} for t in row["trials"]]}
+    if "planned_moves" in row:
+        found = next(cell for cell in cells if cell.name == row["largest"])
+        row["planned_moves"] = planned_moves(layout, variant, found, args)
     return row
 
 
@@ -495,6 +519,8 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="seconds: ZeRO-3 with offload on two tiny models, "
                         "1 GiB per rank")
     parser.add_argument("--json", help="write every number to this file")
+    parser.add_argument("--replan", metavar="FILE", help="train nothing: recompute the planner's columns of FILE, "
+                        "a --json of this command with the same grid and memory, with the planner as it is now")
     parser.add_argument("--plot", help="write the PNG plot to this file")
     parser.add_argument("--trial", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -510,14 +536,19 @@ def main(argv=None) -> None:
         parser.error(f"unknown layout or variant {unknown[0]!r}; choose from {', '.join([*LAYOUTS, *VARIANTS])}")
     args.capacity = args.memory_gib * GiB / RANKS
     cells = sorted((Cell(d, w) for d in args.depths for w in args.widths), key=lambda c: c.spec(args.seq).parameters)
-    header = _header(args, cells)
-    print(header, flush=True)
-    rows = []
-    for layout in args.layouts.split(","):
-        for variant in args.variants.split(","):
-            rows.append(largest(layout, variant, cells, args))
-            if args.json:  # after every search: a long run keeps what it found
-                Path(args.json).write_text(json.dumps({"setup": header, "results": rows}, indent=1))
+    if args.replan:
+        saved = json.loads(Path(args.replan).read_text())
+        header, rows = saved["setup"], [replan(row, cells, args) for row in saved["results"]]
+        if args.json:
+            Path(args.json).write_text(json.dumps({"setup": header, "results": rows}, indent=1))
+    else:
+        header, rows = _header(args, cells), []
+        print(header, flush=True)
+        for layout in args.layouts.split(","):
+            for variant in args.variants.split(","):
+                rows.append(largest(layout, variant, cells, args))
+                if args.json:  # after every search: a long run keeps what it found
+                    Path(args.json).write_text(json.dumps({"setup": header, "results": rows}, indent=1))
     print("\n" + table(rows) + "\n\nBytes moved per step by the offload options (rank 0; planner beside)\n\n"
           + moves_table(rows))
     if args.plot:

@@ -107,6 +107,17 @@ def test_largest_model_bench_runs(tmp_path):
             assert row["moved"][kind][direction] == pytest.approx(row["planned_moves"][kind][direction], rel=0.01)
     assert "| ZeRO-3 | offload | 2×64" in result.stdout and png.stat().st_size > 0
 
+    # --replan recomputes the planner's columns of a saved run, here tampered with, and trains nothing
+    saved = json.loads(out.read_text())
+    stale = {**row, "planner": None, "planner_params": 0, "trials": [{**t, "predicted": 0} for t in row["trials"]],
+             "planned_moves": {kind: {"to_device": 0, "to_host": 0} for kind in ("activations", "optimizer")}}
+    out.write_text(json.dumps({**saved, "results": [stale]}))
+    again = tmp_path / "replanned.json"
+    result = subprocess.run([sys.executable, str(LARGEST_BENCH), "--smoke", "--replan", str(out), "--json", str(again)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(again.read_text()) == saved
+
 
 def test_largest_model_search_starts_at_the_prediction_and_bisects(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH.parent))
