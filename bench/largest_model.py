@@ -513,8 +513,10 @@ def main(argv=None) -> None:
     parser.add_argument("--widths", type=_ints, default=[512, 768, 1024, 1536, 2048])
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=2, help="training steps per trial")
-    parser.add_argument("--memory-gib", type=float, default=psutil.virtual_memory().total / GiB,
-                        help="memory the ranks share (default: this machine's)")
+    parser.add_argument("--memory-gib", type=float,
+                        default=int((psutil.virtual_memory().available - MACHINE_RESERVE) / GiB),
+                        help="memory the ranks share (default: what this machine has available, less the "
+                        f"{MACHINE_RESERVE / GiB:g} GiB a trial leaves free, in whole GiB)")
     parser.add_argument("--trial-timeout", type=float, default=1800, help="seconds before a trial is stopped")
     parser.add_argument("--smoke", action="store_true", help="seconds: ZeRO-3 with offload on two tiny models, "
                         "1 GiB per rank")
