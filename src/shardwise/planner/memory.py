@@ -30,7 +30,7 @@ from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
 from .spec import ModelSpec
 from .wrapping import (comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes, gradient_fraction, numerics,
-                       optimizer_bytes, optimizer_share, shard_degrees, stored_bytes)
+                       optimizer_bytes, optimizer_share, optimizer_step_bytes, shard_degrees, stored_bytes)
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class MemoryBreakdown:
     fragmentation: float
     offloaded: float = 0.0
     retention: float = 0.0  # freed memory a host allocator keeps (CPU ranks)
+    step_temporaries: float = 0.0  # what the optimizer step allocates beyond the activations and buffers it outlives
 
     @property
     def model_states(self) -> float:
@@ -63,10 +64,11 @@ class MemoryBreakdown:
 
     def summary(self) -> dict[str, float]:
         """The categories reports use: parameters include the gathered copies; other is buffers,
-        runtime reserve, the fragmentation margin and the allocator's retention."""
+        runtime reserve, the fragmentation margin, the allocator's retention and the step's temporaries."""
         return {"parameters": self.parameters + self.gathered_params, "gradients": self.gradients,
                 "optimizer": self.optimizer, "activations": self.activations,
-                "other": self.comm_buffers + self.runtime + self.fragmentation + self.retention, "total": self.total}
+                "other": self.comm_buffers + self.runtime + self.fragmentation + self.retention + self.step_temporaries,
+                "total": self.total}
 
     def detail(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -136,4 +138,17 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0,
                            fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host + host_bytes,
-                           retention=host_retention(spec, config, layout, device))
+                           retention=host_retention(spec, config, layout, device),
+                           step_temporaries=step_temporaries(spec, config, layout, device, acts.device, buffers))
+
+
+def step_temporaries(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, device: Optional[DeviceSpec],
+                     activations: float, buffers: float) -> float:
+    """What the optimizer step's temporaries add to the peak: the step comes after backward has freed the
+    activations (and FSDP2 its reduce buffers; DDP's buckets stay), so only what exceeds those counts. None
+    on the device when the optimizer steps in host memory."""
+    if "optimizer" in host_states(config, device):
+        return 0.0
+    freed = activations + (buffers if fully_sharded(config) else 0.0)
+    host = device is not None and device.memory_is_host
+    return max(0.0, optimizer_step_bytes(spec, config, layout, host) - freed)

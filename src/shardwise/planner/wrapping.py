@@ -165,6 +165,18 @@ def optimizer_share(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) ->
     return _busiest_share(spec.stage_tensors(layout.pp), shards)
 
 
+def optimizer_step_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, host: bool) -> float:
+    """fp32 temporaries of the busiest rank's Adam step (assumptions.py): on a CPU (`host`) two copies of the
+    largest tensor it steps (FSDP2 steps shards of it, ZeRO-1 and DDP whole tensors), elsewhere one of all."""
+    if host:
+        largest = max(spec.stage_tensors(layout.pp)) / layout.tp
+        if fully_sharded(config):
+            largest /= layout.dp_shard
+        return A.STEP_COPIES_PER_TENSOR_HOST * FP32_BYTES * largest
+    stepped = spec.stage_parameters(layout.pp) / layout.tp * optimizer_share(spec, config, layout)
+    return A.STEP_COPIES_FOREACH * FP32_BYTES * stepped
+
+
 def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
     """Unsharded compute copies of parameters FSDP2 holds at the peak (0 under DDP and ZeRO-1 in bf16/fp16)."""
     if not (fully_sharded(config) or replicated_by_fsdp(config, layout)):
