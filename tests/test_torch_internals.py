@@ -44,12 +44,14 @@ from shardwise.torch_internals import (
     strided_shard,
     style_input_fn,
     style_output_fn,
+    tensor_tables,
     tree_flatten,
     tree_leaves,
     tree_map,
     tree_map_only,
     tree_unflatten,
     unscale_and_check_,
+    use_tensor_tables,
     version,
 )
 
@@ -295,6 +297,21 @@ def test_children_table_edits_a_module_list_without_renumbering():
     children["3"] = nn.Identity()
     assert [name for name, _ in blocks.named_children()] == ["0", "2", "3"]
     assert [name.split(".")[0] for name, _ in blocks.named_parameters()] == ["0", "0", "2", "2"]
+
+
+def test_tensor_tables_are_what_a_module_shows_and_saves():
+    norm = nn.BatchNorm1d(2)
+    parameters, buffers, non_persistent = tensor_tables(norm)
+    assert parameters["weight"] is norm.weight and buffers["running_mean"] is norm.running_mean
+    norm.register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert "scratch" in non_persistent
+
+    shell = nn.Module()
+    use_tensor_tables(shell, {"w": nn.Parameter(torch.ones(1))}, {"b": torch.zeros(1), "tmp": torch.ones(1)}, {"tmp"})
+    assert [name for name, _ in shell.named_parameters()] == ["w"] and shell.b is tensor_tables(shell)[1]["b"]
+    assert list(shell.state_dict()) == ["w", "b"]  # the non-persistent buffer is not saved
+    shell.w = nn.Parameter(torch.full((1,), 2.0))  # attribute writes land in the given table
+    assert tensor_tables(shell)[0]["w"].item() == 2.0
 
 
 # ----- process groups and the flight recorder -----

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pickle
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -119,6 +119,19 @@ def children_table(module: nn.Module) -> dict[str, nn.Module | None]:
     """The module's own table of children, to edit in place (e.g. drop blocks without renumbering the rest)."""
     # nn.Module._modules; setattr / del cover single changes, but no public API edits the table as a whole.
     return module._modules
+
+
+def tensor_tables(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
+    """The module's own tables of parameters and buffers, and the names of its non-persistent buffers."""
+    # nn.Module._parameters, ._buffers, ._non_persistent_buffers_set: what named_parameters, state_dict and
+    # attribute access read; no public API hands them over as tables.
+    return module._parameters, module._buffers, module._non_persistent_buffers_set
+
+
+def use_tensor_tables(module: nn.Module, parameters: MutableMapping[str, Any], buffers: MutableMapping[str, Any],
+                      non_persistent: set[str]) -> None:
+    """Make `module` read and write these tables as its own (e.g. views joining other modules' tables)."""
+    module.__dict__.update(_parameters=parameters, _buffers=buffers, _non_persistent_buffers_set=non_persistent)
 
 
 def drop_forward_hooks(module: nn.Module) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import fx, nn
 
-from ...torch_internals import children_table, tree_unflatten
+from ...torch_internals import children_table, tensor_tables, tree_unflatten, use_tensor_tables
 from .graph_cut import TENSOR, GraphCut
 
 Source = tuple[str, str]  # ("input", argument name) or ("value", root-graph node name)
@@ -189,9 +189,8 @@ def join_stages(modules: list[nn.Module]) -> nn.Module:
     if len(modules) == 1:
         return modules[0]
     joined = nn.Module()
-    joined.__dict__.update(_parameters=_Joined([m._parameters for m in modules]),
-                           _buffers=_Joined([m._buffers for m in modules]),
-                           _non_persistent_buffers_set=set().union(*(m._non_persistent_buffers_set for m in modules)))
+    parameters, buffers, non_persistent = zip(*(tensor_tables(m) for m in modules))
+    use_tensor_tables(joined, _Joined(list(parameters)), _Joined(list(buffers)), set().union(*non_persistent))
     children = [children_table(m) for m in modules]
     for name in dict.fromkeys(name for table in children for name in table):
         joined.add_module(name, join_stages([table[name] for table in children if name in table]))
