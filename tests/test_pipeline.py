@@ -40,8 +40,8 @@ TOLERANCE = 1e-5
 KINDS = ("gpt2", "llama")
 
 
-def train_kind(kind: str, checkpointing: bool = False) -> dict:
-    """One rank of the seed's loop on `kind`, between two evaluation steps."""
+def train_kind(kind: str, checkpointing: bool = False, rows: int = ROWS) -> dict:
+    """One rank of the seed's loop on `kind`, between two evaluation steps; `rows` per data_loader batch."""
     printed = io.StringIO()
     with sw.delay_param_initialization():  # on the meta device if the config asks for it
         module = build(kind, freeze_key_bias=True, layers=LAYERS)
@@ -63,7 +63,7 @@ def train_kind(kind: str, checkpointing: bool = False) -> dict:
     def eval_step(model, inputs, targets):
         return loss_fn(kind, model, inputs, targets)
 
-    batches = list(sw.data_loader(dataset(kind, STEPS * ROWS * sw.dp_size()), batch_size=ROWS, shuffle=False))
+    batches = list(sw.data_loader(dataset(kind, STEPS * ROWS * sw.dp_size()), batch_size=rows, shuffle=False))
     with torch.no_grad():
         first = eval_step(model, *batches[0])
     losses, outputs = [], []

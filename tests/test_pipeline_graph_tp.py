@@ -2,7 +2,8 @@
 
 pp 2 × tp 2 on 4 ranks, the same math as one process (losses, every whole parameter under the model's names, each
 rank holding only its stage): GPT-2 under `pipeline_cut: graph` (its packed Q/K/V split chunk by chunk, its heads
-per rank, the vocabulary-parallel embedding and head tied across the first and last stage), and a classifier built
+per rank, the vocabulary-parallel embedding and head tied across the first and last stage; also with
+`prescaled_batch`), and a classifier built
 as an nn.Sequential of SMP's DistributedLinear layers, which has no blocks, so the graph cut is automatic (its last
 layer, 5 outputs, is left whole: tp 2 does not divide it); and BERT, Llama, and GPT-2 with two stages per rank.
 """
@@ -74,3 +75,12 @@ def test_same_math_as_one_process_for_more_models_and_schedules(schedule, kinds)
     with two tensor-parallel stages per rank."""
     config = {**CONFIG, "pipeline_cut": "graph", "pipeline_schedule": schedule}
     check(config, run_distributed(train_all, 4, config, kinds=kinds, timeout=300))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"], ids=["one-stage-per-rank", "two-stages-per-rank"])
+def test_prescaled_batch_trains_the_same(schedule):
+    """`prescaled_batch`: a tensor-parallel group reads one batch tp times larger (so the same rows per step as
+    without it) and computes its loss on the logits its head leaves split over the vocabulary."""
+    config = {**CONFIG, "pipeline_cut": "graph", "pipeline_schedule": schedule, "prescaled_batch": True}
+    check(config, run_distributed(train_all, 4, config, kinds=("gpt2",), rows=ROWS * CONFIG["tensor_parallel_degree"],
+                                  timeout=300))
