@@ -110,4 +110,5 @@ def p2p_time(nbytes: float, crosses_nodes: bool, cluster: ClusterSpec) -> LinkTi
     if crosses_nodes:
         bw = cluster.inter_node_bandwidth * cluster.link_efficiency / cluster.devices_per_node
         return LinkTime(inter=nbytes / bw + cluster.inter_node_latency)
-    return LinkTime(intra=nbytes / (cluster.intra_node_bandwidth * cluster.link_efficiency) + cluster.intra_node_latency)
+    bandwidth = cluster.intra_node_bandwidth * cluster.link_efficiency
+    return LinkTime(intra=nbytes / bandwidth + cluster.intra_node_latency)

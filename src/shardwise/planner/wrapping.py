@@ -211,8 +211,8 @@ def root_unit_parameters(spec: ModelSpec, layout: Layout) -> float:
 
 def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int) -> float:
     """DDP's fp32 bucket copy of every gradient; FSDP2's unsharded block gradients and their fp32
-    reduce-scatter input beside the root unit's unsharded gradients (then their reduce-scatter input); ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16; pipeline
-    send/receive buffers."""
+    reduce-scatter input beside the root unit's unsharded gradients (then their reduce-scatter input);
+    ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16; pipeline send/receive buffers."""
     low = compute_bytes(config)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
     if fully_sharded(config):
