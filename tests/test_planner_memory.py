@@ -17,7 +17,8 @@ from shardwise.planner import (Kernels, PlanError, block_activations, cluster_pr
                                rank_activations, resolve_model)
 from shardwise.planner.activations import Numerics, distinct_strategies, edge_activations, logits_bytes
 from shardwise.planner.memory import in_flight_microbatches
-from shardwise.planner.wrapping import gathered_bytes, optimizer_share, reduce_buckets
+from shardwise.planner.wrapping import (comm_buffer_bytes, gathered_bytes, optimizer_share, reduce_buckets,
+                                        root_unit_parameters)
 from shardwise.topology import Cluster, Layout, layout_for
 
 A = 1_000_000_000  # parameters on a rank
@@ -224,3 +225,41 @@ def test_other_is_buffers_runtime_and_fragmentation():
     accounted = memory.model_states + memory.gathered_params + memory.activations + memory.comm_buffers
     assert memory.fragmentation == pytest.approx(0.10 * accounted)
     assert summary["total"] == pytest.approx(sum(v for k, v in summary.items() if k != "total"))
+
+
+def _gpt2(layers: int, width: int):
+    return resolve_model(f"gpt2:n_layer={layers},n_embd={width},n_head={width // 64},vocab_size=50257,n_positions=64")
+
+
+def test_the_root_unit_keeps_a_tied_embedding_and_its_gradient_through_backward():
+    """GPT-2's embedding is tied to its head, so it stays in FSDP2's root unit, whose gradients are reduced only when
+    backward ends; Llama's untied embedding and head are units of their own, leaving the root its final norm."""
+    gpt2, llama = _gpt2(6, 512), resolve_model("llama")
+    assert root_unit_parameters(gpt2, Layout(dp_shard=4)) == 50257 * 512 + 64 * 512 + 2 * 512
+    assert root_unit_parameters(llama, Layout(dp_shard=4)) == llama.hidden
+    zero3 = parse_config({"sharded_data_parallel_degree": 4})
+    buffers = comm_buffer_bytes(gpt2, zero3, Layout(dp_shard=4), 2, 64)
+    root, block = root_unit_parameters(gpt2, Layout(dp_shard=4)), gpt2.layer_parameters
+    assert buffers == 4 * root + max(8 * block, 4 * root)   # fp32: root gradient, beside a block's or its own input
+
+
+def test_the_optimizer_steps_temporaries_count_where_they_outlast_the_activations():
+    """torch's Adam on a CPU steps tensor by tensor (two fp32 copies of the largest: the embedding), its foreach
+    path on an accelerator holds a copy of every tensor at once; FSDP2 steps shards; an offloaded optimizer steps
+    in host memory."""
+    spec = _gpt2(6, 1536)
+    cpu, gpu = cluster_preset("local", devices_per_node=4).device, cluster_preset("p4d.24xlarge").device
+
+    def memory(config: dict, device, checkpointing="each"):
+        parsed = parse_config(config)
+        return predict_memory(spec, parsed, layout_for(parsed, Cluster(1, 4)), 2, 64, checkpointing, device)
+
+    embedding = 50257 * 1536 * 4
+    ddp = memory({}, cpu)
+    assert ddp.step_temporaries == pytest.approx(2 * embedding - ddp.activations)
+    zero3 = memory({"sharded_data_parallel_degree": 4}, cpu)
+    assert zero3.step_temporaries == max(0.0, 2 * embedding / 4 - zero3.activations - zero3.comm_buffers) == 0
+    on_gpu = memory({}, gpu)
+    assert on_gpu.step_temporaries == pytest.approx(4 * spec.parameters - on_gpu.activations)
+    offloaded = memory({"sharded_data_parallel_degree": 4, "offload_optimizer_state": True}, gpu)
+    assert offloaded.step_temporaries == 0 and memory({}, cpu, "none").step_temporaries < ddp.step_temporaries
