@@ -119,7 +119,7 @@ def test_largest_model_bench_runs(tmp_path):
     assert json.loads(again.read_text()) == saved
 
 
-def test_largest_model_search_starts_at_the_prediction_and_bisects(monkeypatch):
+def test_largest_model_search_starts_at_the_prediction_and_gallops(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH.parent))
     from largest_model import search
 
@@ -128,5 +128,7 @@ def test_largest_model_search_starts_at_the_prediction_and_bisects(monkeypatch):
             probed = []
             found, probes = search(20, first, lambda i: probed.append(i) or i <= boundary)
             assert found == (boundary if boundary >= 0 else None) and probes == probed
-            assert probes[0] == max(first, 0) and len(probes) <= 7
+            assert probes[0] == max(first, 0) and len(probes) <= 9 and len(set(probes)) == len(probes)
     assert search(20, 7, lambda i: i <= 7)[1] == [7, 8]  # an exact prediction costs two trials
+    assert search(20, 7, lambda i: i <= 9)[1] == [7, 8, 10, 9]  # one two off, four
+    assert search(20, 7, lambda i: i <= 5)[1] == [7, 6, 4, 5]
