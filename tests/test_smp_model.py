@@ -583,3 +583,23 @@ def unused_parameter_steps() -> bool:
 
 def test_ddp_arguments_reach_ddp():
     assert all(run_distributed(unused_parameter_steps, 2, timeout=300))
+
+
+def caches(config: dict) -> tuple[bool, bool, bool]:
+    """Whether a Hugging Face GPT-2 returns a key/value cache: training forward, evaluation, asked for in training."""
+    sw.init(config)
+    model = sw.DistributedModel(build("gpt2"))
+    ids = dataset("gpt2", ROWS).tensors[0]
+    training = model(ids)
+    with torch.no_grad():
+        evaluation = model(ids)
+    asked = model(ids, use_cache=True)
+    return tuple(out.past_key_values is not None for out in (training, evaluation, asked))
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+def test_a_training_forward_builds_no_key_value_cache(layout):
+    """A cache would keep every block's keys and values to backward, and grow again as checkpointed blocks
+    recompute; evaluation, and a caller who asks for one, still get it."""
+    for got in run_distributed(caches, WORLD, LAYOUTS[layout], timeout=120):
+        assert got == (False, True, True)

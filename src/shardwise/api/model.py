@@ -10,6 +10,7 @@ at the first @step, as SMP scripts expect.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Sequence
@@ -39,6 +40,15 @@ from .param_mapping import OriginalNames
 # What SMP's local_state_dict() holds besides tensors; loading skips them.
 SMP_MARKERS = ("_smp_is_partial", "_smp_load_info")
 Hook = Callable[["DistributedModel", Any], None]  # SMP's hooks take (model, optimizer)
+
+
+def _use_cache_position(module: nn.Module) -> Optional[int]:
+    """Where `module`'s forward takes `use_cache` among its arguments, or None where it takes none."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("use_cache") if "use_cache" in names else None
 
 
 def _ineffective_for(module: nn.Module, config: ShardwiseConfig) -> list[tuple[str, str]]:
@@ -158,6 +168,7 @@ class DistributedModel(nn.Module):
         # The whole model's state dict names, which a checkpoint of it may hold (a pipeline stage holds fewer).
         self.state_keys = frozenset(module.state_dict(keep_vars=True))  # keep_vars: no new tensors
         self.module_class = type(module)  # before FSDP2 swaps in a subclass of its own
+        self._cache_position = _use_cache_position(module)
         # The same decision the composition takes, so DDP's own methods are reached without asking the wrapping.
         trains = any(p.requires_grad for p in module.parameters())
         self._by_ddp = wrapping(runtime.config, runtime.layout, trains) is Wrapping.DDP
@@ -178,6 +189,12 @@ class DistributedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.forward_calls += 1
+        if (torch.is_grad_enabled() and self._cache_position is not None and "use_cache" not in kwargs
+                and len(args) <= self._cache_position):
+            # A training forward needs no key/value cache, and a Hugging Face model building one hands it to its
+            # blocks: it would keep every block's keys and values to backward, and a checkpointed block's
+            # recomputation would append to it again (as HF's own gradient checkpointing, shardwise turns it off).
+            kwargs["use_cache"] = False
         return self._strategy.forward(*args, **kwargs)
 
     def get_module(self) -> nn.Module:
