@@ -1,0 +1,84 @@
+"""Op-selective activation checkpointing: inside a checkpointed region, keep the outputs of chosen ops.
+
+A region checkpointed in full keeps only its inputs and runs its whole forward
+again in backward. With a `policy`, torch's selective checkpointing
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`) also keeps the
+outputs of the ops the policy names and recomputes only the rest: with
+`"matmul"`, the matrix products and attention kernels (the costly ops) are kept
+and the cheap elementwise ops (norms, activations, dropout, residual adds) are
+run again. Collectives are kept too, so a recomputed region never communicates
+again. A policy is one of
+
+- `None`: recompute everything (full checkpointing);
+- `"matmul"`: keep `MATMUL_OPS`' outputs;
+- a list of `OpOverload`s (`torch.ops.aten.mm.default`): keep those;
+- a callable `policy_fn(ctx, op, *args, **kwargs)` returning a
+  `torch.utils.checkpoint.CheckpointPolicy` (or a bool: True saves), as torch takes it.
+
+What a policy keeps stays on the device: activation offloading moves only the
+regions' inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, ContextManager, Iterator, Union
+
+import torch
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+ContextFn = Callable[[], tuple[ContextManager, ContextManager]]
+Policy = Union[None, str, list, Callable[..., Any]]
+
+_aten, _c10d = torch.ops.aten, torch.ops._c10d_functional
+MATMUL_OPS = [
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_fused_attention_overrideable.default,
+    _c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default, _c10d.all_gather_into_tensor.default,
+    _c10d.all_to_all_single.default,
+]
+NAMED = {"matmul": MATMUL_OPS}
+
+
+def checked_policy(policy: Policy) -> Policy:
+    """`policy` as torch's selective checkpointing takes it (a list of ops or a policy function), or None;
+    a one-line error for anything else."""
+    if policy is None or callable(policy) and not isinstance(policy, torch._ops.OpOverloadPacket):
+        return policy
+    if isinstance(policy, str):
+        if policy not in NAMED:
+            raise ValueError(f"checkpointing policy {policy!r} is not one of {sorted(NAMED)}; pass None to recompute "
+                             "everything, a name, a list of ops (torch.ops.aten.mm.default) or a policy function")
+        return NAMED[policy]
+    if isinstance(policy, (list, tuple)):
+        for op in policy:
+            if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+                hint = (f"; name an overload, e.g. {op}.default" if isinstance(op, torch._ops.OpOverloadPacket)
+                        else "")
+                raise ValueError(f"checkpointing policy: {op!r} is not an op overload{hint}")
+        return list(policy)
+    raise TypeError(f"checkpointing policy must be None, a name ({', '.join(sorted(NAMED))}), a list of ops or a "
+                    f"policy function, got {type(policy).__name__}")
+
+
+def with_policy(context_fn: ContextFn, policy: Policy) -> ContextFn:
+    """A checkpoint `context_fn` that enters `context_fn`'s contexts and, with a policy, the selective ones."""
+    if policy is None:
+        return context_fn
+    return functools.partial(_both, context_fn, policy)
+
+
+def _both(context_fn: ContextFn, policy: Policy) -> tuple[ContextManager, ContextManager]:
+    forward, recompute = context_fn()
+    keep, replay = create_selective_checkpoint_contexts(policy)
+    return _entered(forward, keep), _entered(recompute, replay)
+
+
+@contextlib.contextmanager
+def _entered(first: ContextManager, second: ContextManager) -> Iterator[None]:
+    with first, second:
+        yield
+
