@@ -61,21 +61,21 @@ OFFLOADS = {"none": {}, "optimizer": {"offload_optimizer_state": True}, "activat
 # Rows the matrix once found wrong, run besides the covering array: (layout, family, precision, clipping,
 # checkpointing, optimizer, resume, offload).
 REGRESSIONS = [
-    ("tp-world", "gpt2", "fp16", True, False, "after", False, "none"),  # the loss scaler met DTensor and plain grads
-    ("mics", "bert", "fp32", False, False, "after", False, "none"),     # BERT's tied embeddings sat in two FSDP units
-    ("tp-sharded", "bert", "bf16", True, False, "after", False, "none"),
-    ("pp", "llama", "fp16", False, True, "after", False, "none"),       # stand-ins of other stages computed in fp32
-    ("zero3", "llama", "fp32", True, True, "before", False, "none"),    # an optimizer built first kept stale parameters
-    ("tp", "gpt2", "fp32", True, False, "before", False, "none"),
-    ("tp", "gpt2", "fp32", False, False, "after", True, "none"),        # DCP wrote packed Q/K/V's pieces overlapping
-    ("pp", "gpt2", "fp32", False, False, "after", True, "none"),        # a tied weight's optimizer state under one name
+    ("tp-world", "gpt2", "fp16", True, "none", "after", False, "none"),  # the loss scaler met DTensor and plain grads
+    ("mics", "bert", "fp32", False, "none", "after", False, "none"),     # BERT's tied embeddings sat in two FSDP units
+    ("tp-sharded", "bert", "bf16", True, "none", "after", False, "none"),
+    ("pp", "llama", "fp16", False, "each", "after", False, "none"),       # stand-ins of other stages computed in fp32
+    ("zero3", "llama", "fp32", True, "each", "before", False, "none"),    # an optimizer built first kept stale parameters
+    ("tp", "gpt2", "fp32", True, "none", "before", False, "none"),
+    ("tp", "gpt2", "fp32", False, "none", "after", True, "none"),        # DCP wrote packed Q/K/V's pieces overlapping
+    ("pp", "gpt2", "fp32", False, "none", "after", True, "none"),        # a tied weight's optimizer state under one name
 ]
 
 VARIANT_ROWS = [
-    ("mics-bf16-cross", "gpt2", "fp32", True, True, "after", False, "none"),
-    ("mics-bf16-cross", "bert", "bf16", False, False, "before", True, "optimizer"),
-    ("pp-graph-interleaved", "bert", "fp32", True, False, "after", True, "none"),
-    ("pp-graph-tp", "gpt2", "fp32", False, True, "before", True, "none"),
+    ("mics-bf16-cross", "gpt2", "fp32", True, "each", "after", False, "none"),
+    ("mics-bf16-cross", "bert", "bf16", False, "none", "before", True, "optimizer"),
+    ("pp-graph-interleaved", "bert", "fp32", True, "none", "after", True, "none"),
+    ("pp-graph-tp", "gpt2", "fp32", False, "each", "before", True, "none"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {
@@ -83,7 +83,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "family": ("gpt2", "llama", "bert", "stack"),
     "precision": tuple(PRECISIONS),
     "clipping": (False, True),
-    "checkpointing": (False, True),
+    "checkpointing": ("none", "each", "matmul"),  # every block recomputed whole, or keeping its matmuls' outputs
     "optimizer": ("after", "before"),
     "resume": (False, True),
     "offload": tuple(OFFLOADS),
@@ -139,7 +139,10 @@ def product(axes: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
 
 def name_of(combo: dict[str, Any]) -> str:
     flags = [f"{combo['layout']}", combo["family"], combo["precision"]]
-    flags += [axis for axis in ("clipping", "checkpointing", "resume") if combo[axis]]
+    checkpointing = {"none": None, "each": "checkpointing"}.get(combo["checkpointing"],
+                                                                 f"checkpointing-{combo['checkpointing']}")
+    flags += [flag for flag in ("clipping" if combo["clipping"] else None, checkpointing,
+                                "resume" if combo["resume"] else None) if flag]
     flags += [f"offload-{combo['offload']}"] if combo["offload"] != "none" else []
     return "-".join(flags + [f"opt-{combo['optimizer']}"])
 
@@ -180,9 +183,10 @@ def train_combination(combo: dict[str, Any]) -> dict:
     sw.init(config)
     family = combo["family"]
     model, optimizer = _distributed(build(family, freeze_key_bias=True), combo)
-    if combo["checkpointing"]:
+    if combo["checkpointing"] != "none":
+        policy = None if combo["checkpointing"] == "each" else combo["checkpointing"]
         for block in blocks(model.get_module()):
-            sw.set_activation_checkpointing(block)
+            sw.set_activation_checkpointing(block, policy=policy)
     train_step = seed_step(family)
     losses, norms = [], []
     loader = sw.data_loader(dataset(family, (STEPS + 1) * ROWS * sw.dp_size()), batch_size=ROWS, shuffle=False)
