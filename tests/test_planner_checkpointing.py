@@ -3,8 +3,9 @@
 One training step of tiny GPT-2s (GPT2LMHeadModel) in one process, with the blocks
 run as an nn.Sequential so `sw.set_activation_checkpointing(blocks, strategy=...)`
 can group them. The planner keeps L/k region inputs and, once backward has passed
-the head, recomputes k blocks at a time; its activation bytes must be within ±25 %
-of the peak MemTracker sees for every strategy. On the shallow model (12 blocks,
+the head, recomputes k blocks at a time (with the "matmul" policy, each block's
+matrix products' outputs are kept too and only the rest is recomputed); its
+activation bytes must be within ±25 % of the peak MemTracker sees for every strategy. On the shallow model (12 blocks,
 GPT-2 as shipped) `each` needs the least; on the deep narrow one (64 blocks,
 torch's GELU, no dropout: a block keeps some 16 times its input) grouping pairs of
 blocks needs less than `each`: both measured and predicted (docs/planner.md).
@@ -18,6 +19,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import shardwise as sw
 from shardwise.config import parse_config
+from shardwise.config.strategies import split_policy
 from shardwise.planner import cluster_preset, plan, predict_memory, spec_from_hf
 from shardwise.planner.traced import TRACE_BATCH, spec_from_module
 from shardwise.topology import Layout
@@ -27,10 +29,10 @@ BATCH, SEQ, VOCAB = 2, 32, 256
 CPU = cluster_preset("local").device
 MODELS = {
     "shallow": (transformers.GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ),
-                ("none", "each", "contiguous", "group_2", "group_4")),
+                ("none", "each", "each:matmul", "contiguous", "group_2", "group_4")),
     "deep": (transformers.GPT2Config(n_layer=64, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
                                      activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-             ("none", "each", "contiguous", "group_2", "group_4", "group_8")),
+             ("none", "each", "each:matmul", "contiguous", "group_2", "group_4", "group_8", "group_2:matmul")),
 }
 
 
@@ -76,8 +78,9 @@ def _gpt2(config: transformers.GPT2Config, strategy: str) -> nn.Module:
     model = transformers.GPT2LMHeadModel(config).train()
     blocks = nn.Sequential(*(_Block(block) for block in model.transformer.h))
     model.transformer.h = nn.ModuleList([_Blocks(blocks)])
+    strategy, policy = split_policy(strategy)
     if strategy != "none":
-        sw.set_activation_checkpointing(blocks, strategy=strategy)
+        sw.set_activation_checkpointing(blocks, strategy=strategy, policy=policy)
     return model
 
 
@@ -128,6 +131,13 @@ def test_grouping_needs_less_than_each_on_the_deep_model(runs, side):
     bytes_of = {strategy: both[side] for strategy, both in runs["deep"].items()}
     assert min(bytes_of, key=bytes_of.get) == "group_2"
     assert bytes_of["group_2"] < 0.9 * bytes_of["each"]
+
+
+@pytest.mark.parametrize("side", [0, 1], ids=["measured", "predicted"])
+def test_keeping_matmuls_costs_memory_between_each_and_none(runs, side):
+    for name in MODELS:
+        bytes_of = {strategy: both[side] for strategy, both in runs[name].items()}
+        assert bytes_of["each"] < bytes_of["each:matmul"] < bytes_of["none"]
 
 
 @pytest.mark.parametrize("stack, strategies", [(TinyStack, {"none", "each"}),

@@ -176,9 +176,12 @@ def test_checkpointing_keeps_region_inputs_and_recomputes_one_region_after_the_h
 def test_strategies_are_smps_names():
     with pytest.raises(PlanError, match=r"activation checkpointing 'per_layer': use 'none' or one of SMP's"):
         _acts(resolve_model("gpt2-10b"), checkpointing="per_layer")
-    assert distinct_strategies(24) == ["none", "each", "contiguous", "group_2", "group_4"]
-    assert distinct_strategies(2) == ["none", "each", "contiguous"]          # group_2 and group_4 are the whole run
-    assert distinct_strategies(24, groups=False) == ["none", "each"]     # a ModuleList, a module-graph cut
+    assert distinct_strategies(24) == ["none", "each", "each:matmul", "contiguous", "group_2", "group_4"]
+    assert distinct_strategies(2) == ["none", "each", "each:matmul", "contiguous"]  # groups of 2, 4: the whole run
+    assert distinct_strategies(24, groups=False) == ["none", "each", "each:matmul"]  # a ModuleList's blocks
+    assert distinct_strategies(24, groups=False, policies=False) == ["none", "each"]  # a module-graph cut's stages
+    with pytest.raises(PlanError, match=r"activation checkpointing 'each:all': .* optionally with an op-selective"):
+        _acts(resolve_model("gpt2-10b"), checkpointing="each:all")
 
 
 @pytest.mark.parametrize("settings, in_flight", [

@@ -1,4 +1,8 @@
-"""SMP's activation-checkpointing strategy names, read by the runtime and by the planner (which loads no torch)."""
+"""SMP's activation-checkpointing strategy names, read by the runtime and by the planner (which loads no torch).
+
+The planner names a strategy with an op-selective policy "strategy:policy" ("each:matmul": every block a region
+that keeps its matrix products' outputs), the call `set_activation_checkpointing(blocks, strategy=..., policy=...)`.
+"""
 
 from __future__ import annotations
 
@@ -19,3 +23,14 @@ def checkpointing_group_size(strategy: str) -> Optional[int]:
         raise ValueError(f"strategy must be 'each', 'contiguous' or 'group_<k>' with k a positive integer "
                          f"(e.g. 'group_2'), got {strategy!r}")
     return int(found.group(1))
+
+
+POLICIES = ("matmul",)  # parallel/selective_checkpointing.py's named policies
+
+
+def split_policy(name: str) -> tuple[str, Optional[str]]:
+    """A planner checkpointing name as (SMP strategy or "none", op-selective policy or None)."""
+    strategy, _, policy = name.partition(":")
+    if policy and policy not in POLICIES:
+        raise ValueError(f"checkpointing policy {policy!r} is not one of {', '.join(POLICIES)} (in {name!r})")
+    return strategy, policy or None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config.strategies import checkpointing_group_size
+from ..config.strategies import checkpointing_group_size, split_policy
 from .errors import PlanError
 from .hardware import Kernels
 from .spec import ModelSpec
@@ -28,32 +28,41 @@ _FP32 = 4
 # The strategies the search considers, in SMP's names for set_activation_checkpointing (plus "none").
 # A region of k blocks keeps L/k inputs and recomputes k blocks at once, least at k* = sqrt(L·input/block);
 # a block keeps some 10-40 times its input, so k* stays between 1 and 4 up to some 250 blocks a stage:
-# groups of 2 and 4 bracket it, and "contiguous" (k = L) covers shallow stages.
-CHECKPOINTING = ("none", "each", "contiguous", "group_2", "group_4")
+# groups of 2 and 4 bracket it, and "contiguous" (k = L) covers shallow stages. "each:matmul" keeps every
+# block's matrix products too (op-selective): more memory than "each", no matmul recomputed.
+CHECKPOINTING = ("none", "each", "each:matmul", "contiguous", "group_2", "group_4")
 
 
 def region_blocks(strategy: str, stage_layers: int) -> int:
     """Blocks one checkpointed region spans on a stage of `stage_layers` blocks: 0 for "none", 1 for "each",
     the stage's whole run for "contiguous", k (at most the run) for "group_k"."""
-    if strategy == "none":
-        return 0
     try:
-        size = checkpointing_group_size(strategy)
+        name = split_policy(strategy)[0]
+        if name == "none":
+            return 0
+        size = checkpointing_group_size(name)
     except ValueError:
         raise PlanError(f"activation checkpointing {strategy!r}: use 'none' or one of SMP's strategies 'each', "
-                        "'contiguous', 'group_<k>' (k a positive integer, e.g. 'group_2')") from None
+                        "'contiguous', 'group_<k>' (k a positive integer, e.g. 'group_2'), optionally with "
+                        "an op-selective policy ('each:matmul')") from None
     return min(size or stage_layers, stage_layers)
 
 
-def distinct_strategies(stage_layers: int, groups: bool = True) -> list[str]:
+def keeps_matmuls(strategy: str) -> bool:
+    """Whether a strategy's regions keep their matrix products' outputs (the "matmul" policy)."""
+    return split_policy(strategy)[1] == "matmul"
+
+
+def distinct_strategies(stage_layers: int, groups: bool = True, policies: bool = True) -> list[str]:
     """The strategies of CHECKPOINTING that give different regions on a stage of `stage_layers` blocks (the
     first name of each, so "contiguous" stands for a group as long as the stage); without `groups` (blocks
-    the runtime cannot group: a ModuleList, a module-graph cut) only "none" and "each"."""
-    names = CHECKPOINTING if groups else CHECKPOINTING[:2]
-    sizes = {}
+    the runtime cannot group: a ModuleList, a module-graph cut) only "none" and "each"; without `policies`
+    (blocks whose ops the planner does not know: traced, or a module-graph cut's stages) none keeping matmuls."""
+    names = [name for name in (CHECKPOINTING if groups else CHECKPOINTING[:3]) if policies or ":" not in name]
+    regions = {}
     for name in names:
-        sizes.setdefault(region_blocks(name, stage_layers), name)
-    return list(sizes.values())
+        regions.setdefault((region_blocks(name, stage_layers), keeps_matmuls(name)), name)
+    return list(regions.values())
 
 
 def _mlp_tensors(spec: ModelSpec) -> int:
@@ -140,6 +149,25 @@ def block_activations(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Ke
     return BlockActivations(outputs, sequence, sharded)
 
 
+def matmul_outputs(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kernels = Kernels()) -> BlockActivations:
+    """What the "matmul" policy keeps of one block per token (selective_checkpointing.MATMUL_OPS): the Q/K/V and
+    MLP up (and gate) projections' outputs and the attention kernel's, split over heads and units; the two
+    output projections', whole on every rank (partial sums under tensor parallelism). A traced block's ops are
+    not known: 0."""
+    if spec.traced:
+        return BlockActivations(0.0, 0.0, 0.0)
+    low = numerics.compute
+    head_dim = spec.hidden // spec.heads
+    qkv = (spec.heads + 2 * spec.kv_heads) * head_dim
+    if kernels.flash_attention and (kernels.flash_attention_dropout or spec.attention_dropout == 0):
+        attention = spec.hidden * low + spec.heads * _FP32          # output and log-sum-exp per head
+    else:
+        inner = max(low, kernels.math_attention_bytes)
+        attention = (spec.heads * seq + spec.hidden) * inner        # scores and probabilities · V (two bmm)
+    sharded = qkv * low + attention + spec.ffn * low * (2 if spec.gated_mlp else 1)
+    return BlockActivations(2 * spec.hidden * low, 0.0, sharded)
+
+
 def edge_activations(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels()) -> tuple[float, float]:
     """(first stage, last stage) bytes per token outside the blocks, before tensor parallelism.
 
@@ -193,10 +221,16 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     if group:
         regions = math.ceil(layers / group)
         region_input = spec.hidden * numerics.residual_bytes * tokens / (tp if sequence_parallel else 1)
+        kept = 0.0  # per block, what the policy keeps besides the region's input (never offloaded)
+        if keeps_matmuls(checkpointing):
+            # under tensor parallelism also each output projection's all-reduce (reduce-scatter with SP)
+            collectives = 2 * spec.hidden * numerics.compute / (tp if sequence_parallel else 1) if tp > 1 else 0.0
+            kept = min(block, (matmul_outputs(spec, seq, numerics, kernels).per_rank(tp) + collectives) * tokens)
         copied_layers = group
-        stored, recompute = regions * region_input, group * block
+        stored, recompute = regions * region_input, group * (block - kept)
         if offload:
             stored, host, recompute = 0.0, stored, recompute + min(regions, loading_horizon) * region_input
+        stored += layers * kept
     edges = spec.stage_parameters(pp) - layers * spec.layer_parameters
     copies = numerics.weight_copies * (edges + copied_layers * spec.layer_parameters) / tp
     first, last = edge_activations(spec, numerics, kernels)

@@ -11,6 +11,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from ..config.strategies import split_policy
 from .errors import PlanError
 from .hardware import GiB
 from .search import Evaluation, Plan
@@ -32,9 +33,11 @@ def strategy(e: Evaluation) -> str:
 
 def checkpointing_call(strategy: str) -> str:
     """A plan's checkpointing strategy as the call a training script makes (groups need an nn.Sequential)."""
+    strategy, policy = split_policy(strategy)
     if strategy == "none":
         return "none"
-    return f'sw.set_activation_checkpointing(blocks, strategy="{strategy}")'
+    selective = f', policy="{policy}"' if policy else ""
+    return f'sw.set_activation_checkpointing(blocks, strategy="{strategy}"{selective})'
 
 
 def _sharding(e: Evaluation) -> str:

@@ -273,7 +273,8 @@ def _considered(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: i
                     sequence = (False, True)
             for stage, group in _sharding_choices(dp):
                 groups = spec.sequential_blocks and not spec.graph_stages(pp)
-                for checkpointing in distinct_strategies(spec.stage_layers(pp), groups):
+                policies = not (spec.traced or spec.graph_stages(pp))
+                for checkpointing in distinct_strategies(spec.stage_layers(pp), groups, policies):
                     yield _best_variant(spec, cluster, _Choice(tp, pp, stage, group, checkpointing, sequence),
                                         global_batch // dp, seq, precision)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
 from . import assumptions as A
-from .activations import region_blocks
+from .activations import keeps_matmuls, region_blocks
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .hardware import ClusterSpec
 from .offload import activation_transfers, host_states, state_transfers
@@ -233,7 +233,9 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     in_blocks, outside = spec.stage_flops_per_token(seq, pp)
     blocks_fwd = tokens * in_blocks / tp / rate
     forward = blocks_fwd + tokens * outside / tp / rate
-    recompute = blocks_fwd if region_blocks(checkpointing, layers) else 0.0
+    # A region recomputes its blocks' forward; one keeping its matmuls recomputes only elementwise ops, which
+    # the FLOP count leaves out everywhere.
+    recompute = blocks_fwd if region_blocks(checkpointing, layers) and not keeps_matmuls(checkpointing) else 0.0
     activation = tokens * spec.boundary_elements(pp) * compute_bytes(config)
     traffic = _Traffic(cluster, layout, m, layers)
     tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0)
