@@ -20,7 +20,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import shardwise as sw
 from shardwise.config import parse_config
 from shardwise.config.strategies import split_policy
-from shardwise.planner import cluster_preset, plan, predict_memory, spec_from_hf
+from shardwise.planner import cluster_preset, plan, predict_memory, predict_step_time, spec_from_hf
 from shardwise.planner.traced import TRACE_BATCH, spec_from_module
 from shardwise.topology import Layout
 from tiny_models import SequentialStack, TinyStack
@@ -148,3 +148,12 @@ def test_the_search_proposes_groups_only_for_blocks_in_an_nn_sequential(stack, s
     ids = torch.zeros(TRACE_BATCH, 16, dtype=torch.long)
     spec = spec_from_module(stack(layers=8), stack.__name__, {"ids": ids}, 16)
     assert {e.checkpointing for e in plan(spec, cluster_preset("p4d.24xlarge")).considered} == strategies
+
+
+def test_keeping_matmuls_recomputes_only_memory_bound_ops():
+    """Its recomputation costs time between none's (nothing) and each's (every block's forward FLOPs)."""
+    spec = spec_from_hf(transformers.GPT2Config().to_dict(), "gpt2")  # GPT-2 small, 1024 tokens
+    cluster = cluster_preset("p4d.24xlarge")
+    seconds = {s: predict_step_time(spec, parse_config({}), Layout(), cluster, 4, 1024, s).recompute
+               for s in ("none", "each:matmul", "each")}
+    assert 0 == seconds["none"] < seconds["each:matmul"] < 0.2 * seconds["each"]

@@ -168,6 +168,23 @@ def matmul_outputs(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kerne
     return BlockActivations(2 * spec.hidden * low, 0.0, sharded)
 
 
+def kept_matmul_bytes(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kernels, tp: int,
+                      sequence_parallel: bool) -> float:
+    """Per token, what one block checkpointed with the "matmul" policy keeps on a rank besides its input: its
+    matmul outputs and, under tensor parallelism, each output projection's all-reduce (reduce-scatter with
+    sequence parallelism) output; at most what the block keeps uncheckpointed."""
+    collectives = 2 * spec.hidden * numerics.compute / (tp if sequence_parallel else 1) if tp > 1 else 0.0
+    block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel)
+    return min(block, matmul_outputs(spec, seq, numerics, kernels).per_rank(tp) + collectives)
+
+
+def recomputed_elementwise_bytes(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kernels, tp: int,
+                                 sequence_parallel: bool) -> float:
+    """Per token, what a block keeping its matmuls computes again in backward: the rest of what it keeps."""
+    block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel)
+    return block - kept_matmul_bytes(spec, seq, numerics, kernels, tp, sequence_parallel)
+
+
 def edge_activations(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels()) -> tuple[float, float]:
     """(first stage, last stage) bytes per token outside the blocks, before tensor parallelism.
 
@@ -223,9 +240,7 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
         region_input = spec.hidden * numerics.residual_bytes * tokens / (tp if sequence_parallel else 1)
         kept = 0.0  # per block, what the policy keeps besides the region's input (never offloaded)
         if keeps_matmuls(checkpointing):
-            # under tensor parallelism also each output projection's all-reduce (reduce-scatter with SP)
-            collectives = 2 * spec.hidden * numerics.compute / (tp if sequence_parallel else 1) if tp > 1 else 0.0
-            kept = min(block, (matmul_outputs(spec, seq, numerics, kernels).per_rank(tp) + collectives) * tokens)
+            kept = kept_matmul_bytes(spec, seq, numerics, kernels, tp, sequence_parallel) * tokens
         copied_layers = group
         stored, recompute = regions * region_input, group * (block - kept)
         if offload:

@@ -21,13 +21,13 @@ from dataclasses import dataclass, fields
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
 from . import assumptions as A
-from .activations import keeps_matmuls, region_blocks
+from .activations import keeps_matmuls, recomputed_elementwise_bytes, region_blocks
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .hardware import ClusterSpec
 from .offload import activation_transfers, host_states, state_transfers
 from .spec import ModelSpec
 from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, cross_group_bytes, first_broadcast_bucket,
-                       fully_sharded, optimizer_share, reduce_buckets, replicated_by_fsdp, stored_bytes)
+                       fully_sharded, numerics, optimizer_share, reduce_buckets, replicated_by_fsdp, stored_bytes)
 
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
@@ -223,6 +223,19 @@ def pipeline_slots(config: ShardwiseConfig, layout: Layout) -> int:
     return pipeline_rounds(config) * (config.pipeline_round + layout.pp - 1)
 
 
+def _recompute_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec, micro_batch: int,
+                       seq: int, checkpointing: str, blocks_fwd: float) -> float:
+    """A checkpointed stage recomputes its blocks' forward; one keeping its matmuls only their elementwise ops,
+    memory-bound: each tensor they keep written and its input read once, at the device's memory bandwidth."""
+    if not region_blocks(checkpointing, spec.stage_layers(layout.pp)):
+        return 0.0
+    if not keeps_matmuls(checkpointing):
+        return blocks_fwd
+    per_token = recomputed_elementwise_bytes(spec, seq, numerics(config, layout), cluster.device.kernels, layout.tp,
+                                             config.sequence_parallel)
+    return 2 * per_token * micro_batch * seq * spec.stage_layers(layout.pp) / cluster.device.memory_bandwidth
+
+
 def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
                       micro_batch: int, seq: int, checkpointing: str = "none") -> StepTime:
     """Seconds per optimizer step on the busiest stage, with tokens/s and MFU for the whole cluster."""
@@ -233,9 +246,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     in_blocks, outside = spec.stage_flops_per_token(seq, pp)
     blocks_fwd = tokens * in_blocks / tp / rate
     forward = blocks_fwd + tokens * outside / tp / rate
-    # A region recomputes its blocks' forward; one keeping its matmuls recomputes only elementwise ops, which
-    # the FLOP count leaves out everywhere.
-    recompute = blocks_fwd if region_blocks(checkpointing, layers) and not keeps_matmuls(checkpointing) else 0.0
+    recompute = _recompute_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing, blocks_fwd)
     activation = tokens * spec.boundary_elements(pp) * compute_bytes(config)
     traffic = _Traffic(cluster, layout, m, layers)
     tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0)
