@@ -21,7 +21,8 @@ from shardwise.parallel.activation_offload import StayOnDevice, schedule_for
 from shardwise.parallel.pipeline.stage import Elsewhere
 from shardwise.runtime.state import current
 from shardwise.testing import run_distributed
-from tiny_models import assert_trains_as, blocks, build, dataset, make_optimizer, seed_step, train_reference
+from tiny_models import (assert_trains_as, blocks, build, dataset, make_optimizer, seed_step, train_reference,
+                         train_seed_loop)
 
 BLOCKS = 6
 ROWS = 2  # per data-parallel rank and step
@@ -161,18 +162,8 @@ def train_offloaded(config: dict, kind: str = "gpt2") -> dict:
     held = [block for block in blocks(model.get_module()) if not isinstance(block, Elsewhere)]
     for block in held:
         sw.set_activation_checkpointing(block)
-    optimizer = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
-    train_step = seed_step(kind)
-    losses = []
-    for inputs, targets in sw.data_loader(dataset(kind, STEPS * ROWS * sw.dp_size()), batch_size=ROWS, shuffle=False):
-        optimizer.zero_grad()
-        out = train_step(model, inputs, targets)
-        losses.append(out.reduce_mean().item() if out.holds_loss else None)
-        optimizer.step()
-    regions = STEPS * len(held) * config.get("microbatches", 1)
-    state = model.full_state_dict()  # every rank gathers
-    return {"losses": losses, "moves": mover.moves, "regions": regions, "dp_size": sw.dp_size(),
-            "state": state if sw.rank() == 0 else None}
+    trained = train_seed_loop(model, kind, STEPS, ROWS)
+    return {**trained, "moves": mover.moves, "regions": STEPS * len(held) * config.get("microbatches", 1)}
 
 
 @pytest.mark.parametrize("config", [

@@ -24,7 +24,7 @@ from shardwise.config import IneffectiveSettingsWarning
 from shardwise.parallel.checkpointing import lift_checkpointing, restore_checkpointing
 from shardwise.parallel.pipeline.stage import Elsewhere
 from shardwise.testing import run_distributed
-from tiny_models import assert_trains_as, blocks, build, dataset, make_optimizer, seed_step, train_reference
+from tiny_models import assert_trains_as, blocks, build, train_reference, train_seed_loop
 
 ROWS, STEPS, TOLERANCE = 2, 3, 1e-5
 aten = torch.ops.aten
@@ -119,17 +119,7 @@ def train_selective(config: dict, kind: str = "gpt2") -> dict:
     for block in blocks(model.get_module()):
         if not isinstance(block, Elsewhere):
             sw.set_activation_checkpointing(block, policy="matmul")
-    optimizer = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
-    train_step = seed_step(kind)
-    losses = []
-    for inputs, targets in sw.data_loader(dataset(kind, STEPS * ROWS * sw.dp_size()), batch_size=ROWS, shuffle=False):
-        optimizer.zero_grad()
-        out = train_step(model, inputs, targets)
-        losses.append(out.reduce_mean().item() if out.holds_loss else None)
-        optimizer.step()
-    state = model.full_state_dict()
-    return {"losses": losses, "dp_size": sw.dp_size(), "state": state if sw.rank() == 0 else None}
-
+    return train_seed_loop(model, kind, STEPS, ROWS)
 
 @pytest.mark.parametrize("config", [
     {"sharded_data_parallel_degree": 2},

@@ -183,6 +183,23 @@ def seed_step(kind: str):
     return train_step
 
 
+def train_seed_loop(model, kind: str, steps: int, rows: int) -> dict:
+    """One rank of the seed's loop on `model` (a DistributedModel) with SGD, `rows` per data-parallel rank: the
+    losses (None where this rank holds none), the data-parallel size, and rank 0's whole parameters."""
+    import shardwise as sw
+
+    optimizer = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+    train_step = seed_step(kind)
+    losses = []
+    for inputs, targets in sw.data_loader(dataset(kind, steps * rows * sw.dp_size()), batch_size=rows, shuffle=False):
+        optimizer.zero_grad()
+        out = train_step(model, inputs, targets)
+        losses.append(out.reduce_mean().item() if out.holds_loss else None)
+        optimizer.step()
+    state = model.full_state_dict()  # every rank gathers
+    return {"losses": losses, "dp_size": sw.dp_size(), "state": state if sw.rank() == 0 else None}
+
+
 # Adam's step g/(sqrt(v)+eps) turns the rounding noise of tiny gradients into noise in
 # the step; eps=1e-6 (not 1e-8) bounds that, so that one process summing its batch in
 # two halves instead of one agrees with itself to ~2e-6 on the ViT rather than ~1e-5.
