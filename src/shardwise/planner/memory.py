@@ -29,8 +29,9 @@ from .activations import rank_activations
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
 from .spec import ModelSpec
-from .wrapping import (comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes, gradient_fraction, numerics,
-                       optimizer_bytes, optimizer_share, optimizer_step_bytes, shard_degrees, stored_bytes)
+from .wrapping import (IN_FLIGHT, REDUCE_BYTES, comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes,
+                       gradient_fraction, numerics, optimizer_bytes, optimizer_share, optimizer_step_bytes,
+                       reduce_buckets, shard_degrees, stored_bytes)
 
 
 @dataclass(frozen=True)
@@ -139,16 +140,29 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
                            runtime=device.runtime_reserve_bytes if device else 0.0,
                            fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host + host_bytes,
                            retention=host_retention(spec, config, layout, device),
-                           step_temporaries=step_temporaries(spec, config, layout, device, acts.device, buffers))
+                           step_temporaries=step_temporaries(spec, config, layout, device,
+                                                             acts.device + _freed_by_backward(spec, config, layout,
+                                                                                              buffers, states)))
+
+
+def _freed_by_backward(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, buffers: float,
+                       states: dict[str, float]) -> float:
+    """Besides the activations, what is gone by the optimizer step: FSDP2's reduce buffers (DDP's buckets stay);
+    under ZeRO-1's master weights the buckets in flight and the replicas' gradients, freed as their buckets
+    left (the owner's fp32 master gradients stay for the step)."""
+    if fully_sharded(config):
+        return buffers
+    if config.sharded_master_weights:
+        return states["gradients"] + REDUCE_BYTES * IN_FLIGHT * reduce_buckets(spec, layout).largest
+    return 0.0
 
 
 def step_temporaries(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, device: Optional[DeviceSpec],
-                     activations: float, buffers: float) -> float:
-    """What the optimizer step's temporaries add to the peak: the step comes after backward has freed the
-    activations (and FSDP2 its reduce buffers; DDP's buckets stay), so only what exceeds those counts. None
-    on the device when the optimizer steps in host memory."""
+                     freed: float) -> float:
+    """What the optimizer step's temporaries add to the peak: only what exceeds the bytes backward `freed`
+    before the step (activations, and `_freed_by_backward`'s) counts. None on the device when the optimizer
+    steps in host memory."""
     if "optimizer" in host_states(config, device):
         return 0.0
-    freed = activations + (buffers if fully_sharded(config) else 0.0)
     host = device is not None and device.memory_is_host
     return max(0.0, optimizer_step_bytes(spec, config, layout, host) - freed)
