@@ -74,6 +74,7 @@ LAYOUTS = {
     "PP 2": {"pipeline_parallel_degree": 2, "microbatches": 2},
 }
 VARIANTS = ("plain", "checkpointing", "offload")
+DESCRIBED = {"plain": "plain", "checkpointing": "checkpointing", "offload": "checkpointing + offloading"}
 MACHINE_RESERVE = 1.5 * GiB  # a trial stops when the machine has less than this available
 SHORT = f"the machine had under {MACHINE_RESERVE / GiB:.1f} GiB available"
 ATTEMPTS = 3  # a trial stopped because other processes held the machine's memory runs again, after they let go
@@ -493,7 +494,7 @@ def plot(rows: list[dict], path: str, memory_gib: float) -> None:
         xs = [layouts.index(r["layout"]) + (k - (len(variants) - 1) / 2) * width
               for r in rows if r["variant"] == variant]
         mine = [r for r in rows if r["variant"] == variant]
-        ax.bar(xs, [r.get("params", 0) / 1e6 for r in mine], width, label=f"trained: {variant}")
+        ax.bar(xs, [r.get("params", 0) / 1e6 for r in mine], width, label=f"trained: {DESCRIBED[variant]}")
         ax.scatter(xs, [r["planner_params"] / 1e6 for r in mine], color="black", marker="_", s=200, zorder=3,
                    label="planner's largest" if k == 0 else None)
     ax.set_xticks(range(len(layouts)), layouts)
