@@ -6,8 +6,9 @@ again in backward. With a `policy`, torch's selective checkpointing
 outputs of the ops the policy names and recomputes only the rest: with
 `"matmul"`, the matrix products and attention kernels (the costly ops) are kept
 and the cheap elementwise ops (norms, activations, dropout, residual adds) are
-run again. Collectives are kept too, so a recomputed region never communicates
-again. A policy is one of
+run again. The functional collectives a region issues (tensor parallelism's
+redistributions) are kept too, so its recomputation does not send them again.
+A policy is one of
 
 - `None`: recompute everything (full checkpointing);
 - `"matmul"`: keep `MATMUL_OPS`' outputs;
