@@ -29,9 +29,9 @@ from .activations import rank_activations
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
 from .spec import ModelSpec
-from .wrapping import (IN_FLIGHT, REDUCE_BYTES, comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes,
-                       gradient_fraction, numerics, optimizer_bytes, optimizer_share, optimizer_step_bytes,
-                       reduce_buckets, shard_degrees, stored_bytes)
+from .wrapping import (comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes, gradient_fraction,
+                       in_flight_bucket_bytes, numerics, optimizer_bytes, optimizer_share, optimizer_step_bytes,
+                       shard_degrees, stored_bytes)
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def _freed_by_backward(spec: ModelSpec, config: ShardwiseConfig, layout: Layout,
     if fully_sharded(config):
         return buffers
     if config.sharded_master_weights:
-        return states["gradients"] + REDUCE_BYTES * IN_FLIGHT * reduce_buckets(spec, layout).largest
+        return states["gradients"] + in_flight_bucket_bytes(spec, layout)
     return 0.0
 
 

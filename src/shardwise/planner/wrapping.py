@@ -140,6 +140,11 @@ def reduce_buckets(spec: ModelSpec, layout: Layout) -> Buckets:
     return _buckets(tuple(t / layout.tp for t in spec.stage_tensors(layout.pp)), layout.dp)
 
 
+def in_flight_bucket_bytes(spec: ModelSpec, layout: Layout) -> float:
+    """ZeRO-1's fp32 gradient buckets in flight at once during backward (bf16/fp16, or offloaded masters)."""
+    return REDUCE_BYTES * IN_FLIGHT * reduce_buckets(spec, layout).largest
+
+
 def first_broadcast_bucket(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> tuple[float, int]:
     """Bytes and tensors of ZeRO-1's first parameter broadcast bucket on the busiest stage: what the next
     forward waits for before its first module runs."""
@@ -219,8 +224,8 @@ def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
         block, root = spec.layer_parameters / layout.tp, root_unit_parameters(spec, layout) / layout.tp
         buffers = root * low + max(block * (low + REDUCE_BYTES), root * REDUCE_BYTES)
     elif config.sharded_master_weights:
-        in_flight = IN_FLIGHT * reduce_buckets(spec, layout).largest
-        buffers = REDUCE_BYTES * (rank_params * optimizer_share(spec, config, layout) + in_flight)
+        master_gradients = REDUCE_BYTES * rank_params * optimizer_share(spec, config, layout)
+        buffers = master_gradients + in_flight_bucket_bytes(spec, layout)
     else:
         buffers = REDUCE_BYTES * rank_params if layout.dp > 1 else 0.0
     if layout.pp > 1:
