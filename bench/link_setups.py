@@ -181,6 +181,11 @@ CONFIGURATIONS: dict[str, Callable[[Shape, int], Setup]] = {
     "shardwise MiCS": shardwise({"sharded_data_parallel_degree": "node"}),
     "shardwise MiCS bf16 cross-group": shardwise({"sharded_data_parallel_degree": "node",
                                                   "cross_group_reduce_dtype": "bf16"}),
+    "shardwise MiCS overlapping forward": shardwise({"sharded_data_parallel_degree": "node",
+                                                     "cross_group_overlap": "forward"}),
+    "shardwise MiCS bf16 overlapping forward": shardwise({"sharded_data_parallel_degree": "node",
+                                                          "cross_group_reduce_dtype": "bf16",
+                                                          "cross_group_overlap": "forward"}),
 }
 DEEPSPEED = {
     "DeepSpeed ZeRO-3": deepspeed({}),

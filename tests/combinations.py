@@ -48,6 +48,8 @@ LAYOUTS: dict[str, tuple[int, int, dict]] = {
 # risk): they run in VARIANT_ROWS only.
 VARIANTS: dict[str, tuple[int, int, dict]] = {
     "mics-bf16-cross": (4, 4, {"sharded_data_parallel_degree": 2, "cross_group_reduce_dtype": "bf16"}),
+    # the cross-group all-reduce overlapping the step and the next forward (the replica check waits for it)
+    "mics-overlap-forward": (4, 2, {"sharded_data_parallel_degree": 2, "cross_group_overlap": "forward"}),
     # the module-graph cut with two stages per rank, and with tensor-parallel stages
     "pp-graph-interleaved": (4, 4, {"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline_cut": "graph",
                                     "pipeline_schedule": "interleaved_1f1b"}),
@@ -72,6 +74,10 @@ REGRESSIONS = [
 ]
 
 VARIANT_ROWS = [
+    ("mics-overlap-forward", "gpt2", "fp32", False, "each", "after", True, "none"),
+    ("mics-overlap-forward", "llama", "bf16", True, "none", "before", False, "optimizer"),
+    ("mics-overlap-forward", "bert", "fp16", False, "matmul", "after", True, "activations"),
+    ("mics-overlap-forward", "stack", "fp32", False, "none", "before", False, "none"),
     ("mics-bf16-cross", "gpt2", "fp32", True, "each", "after", False, "none"),
     ("mics-bf16-cross", "bert", "bf16", False, "none", "before", True, "optimizer"),
     ("pp-graph-interleaved", "bert", "fp32", True, "none", "after", True, "none"),

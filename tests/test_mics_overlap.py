@@ -15,6 +15,7 @@ within the rounding of one bf16 sum per step (below).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from shardwise.torch_internals import TorchDispatchMode
 
 import shardwise as sw
+from shardwise.parallel import cross_group
 from shardwise.parallel.zero1.shares import IN_FLIGHT
 from shardwise.testing import run_distributed
 from tiny_models import build, dataset, make_optimizer, relative_error, seed_step, train_reference
@@ -58,31 +60,41 @@ class InFlightAtReduceScatter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train(microbatches: int, reduce_dtype: str) -> dict:
+def schedule(step: int) -> float:
+    """The learning rate's factor after `step` steps: a scheduler sets the next one while shards still land."""
+    return 0.5 ** step
+
+
+def train(microbatches: int, reduce_dtype: str, overlap: str = "backward", set_to_none: bool = True) -> dict:
     sw.init({"sharded_data_parallel_degree": PER_NODE, "microbatches": microbatches,
-             "cross_group_reduce_dtype": reduce_dtype})
+             "cross_group_reduce_dtype": reduce_dtype, "cross_group_overlap": overlap})
     model = sw.DistributedModel(build("gpt2", freeze_key_bias=True, **SIZES))
     optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, schedule) if overlap == "forward" else None
+    reduction = model._strategy.cross_group
     train_step = seed_step("gpt2")
     loader = sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS, shuffle=False)
-    losses = []
-    with InFlightAtReduceScatter(model._strategy.cross_group) as seen:
+    losses, landing = [], []
+    with InFlightAtReduceScatter(reduction) as seen:
         for inputs, targets in loader:
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=set_to_none)
             losses.append(train_step(model, inputs, targets).reduce_mean().item())
             optimizer.step()
-            seen.pending.append(seen.reduction.pending)  # after the step
-    return {"losses": losses, "state": model.full_state_dict(), "pending": seen.pending,
-            "dtypes": seen.all_reduce_dtypes, "replicas": dist.get_world_size(model._strategy.cross_group.group)}
+            seen.pending.append(reduction.pending)  # after the step
+            landing.append(reduction.landing)
+            if scheduler is not None:
+                scheduler.step()
+    return {"losses": losses, "state": model.full_state_dict(), "pending": seen.pending, "landing": landing,
+            "dtypes": seen.all_reduce_dtypes, "replicas": dist.get_world_size(reduction.group)}
 
 
 @functools.cache
-def reference() -> dict:
-    return train_reference("gpt2", "adamw", STEPS, ROWS * WORLD, **SIZES)
+def reference(scheduled: bool = False) -> dict:
+    return train_reference("gpt2", "adamw", STEPS, ROWS * WORLD, schedule=schedule if scheduled else None, **SIZES)
 
 
-def _compare(ranks: list[dict], param_tolerance: float, loss_tolerance: float) -> None:
-    want = reference()
+def _compare(ranks: list[dict], param_tolerance: float, loss_tolerance: float, scheduled: bool = False) -> None:
+    want = reference(scheduled)
     losses = torch.tensor([r["losses"] for r in ranks]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(want["losses"]), rtol=loss_tolerance, atol=0)
     for rank, result in enumerate(ranks):
@@ -109,3 +121,66 @@ def test_bf16_cross_group_reduction_trains_within_bf16_rounding():
         assert result["dtypes"] == {torch.bfloat16}  # only the cross-group all-reduce is bf16
         assert result["state"]["transformer.h.0.mlp.c_fc.weight"].dtype == torch.float32
     _compare(ranks, BF16_PARAM_TOLERANCE, BF16_LOSS_TOLERANCE)
+
+
+def train_on_a_slow_link(microbatches: int, set_to_none: bool, slow: bool) -> dict:
+    """`train` deferred; with `slow`, no all-reduce is ever found done: each lands only when something waits
+    for it, as on a link slower than the whole step."""
+    with slow_link() if slow else contextlib.nullcontext():
+        return train(microbatches, "fp32", "forward", set_to_none)
+
+
+@contextlib.contextmanager
+def slow_link():
+    """No all-reduce is found done (this worker process may run other tests after)."""
+    done, cross_group._done = cross_group._done, lambda work: False
+    try:
+        yield
+    finally:
+        cross_group._done = done
+
+
+@pytest.mark.parametrize("microbatches, set_to_none, slow", [(1, True, True), (2, False, True), (2, True, False)])
+def test_all_reduces_outliving_backward_are_stepped_as_they_land_and_match_one_process(microbatches, set_to_none,
+                                                                                      slow):
+    """`cross_group_overlap: forward`: backward sends while it runs and returns with all-reduces in flight. On
+    a slow link step() leaves units to land, so the next forward, the scheduler's new lr in between and a
+    zero_grad (to None or to zeros) meet shards still on the link."""
+    ranks = run_distributed(train_on_a_slow_link, WORLD, microbatches, set_to_none, slow, nproc_per_node=PER_NODE,
+                            timeout=240)
+    earlier = [0] * UNITS * (microbatches - 1)
+    for result in ranks:
+        seen = result["pending"][len(earlier):len(earlier) + UNITS]
+        assert result["pending"][:len(earlier)] == earlier and seen[0] == 0 and seen[1] == 1
+        assert max(seen) <= IN_FLIGHT
+        if slow:
+            assert seen == [min(k, IN_FLIGHT) for k in range(UNITS)]
+            assert result["landing"] == [True] * STEPS
+    _compare(ranks, FP32_TOLERANCE, FP32_TOLERANCE, scheduled=True)
+
+
+def test_a_gradient_written_in_place_before_its_all_reduce_went_is_an_error():
+    ranks = run_distributed(_zero_in_place_after_step, WORLD, nproc_per_node=PER_NODE, timeout=240)
+    assert all("written in place after backward" in message for message in ranks)
+
+
+def _zero_in_place_after_step() -> str:
+    with slow_link():
+        return _zero_in_place_then_synchronize()
+
+
+def _zero_in_place_then_synchronize() -> str:
+    sw.init({"sharded_data_parallel_degree": PER_NODE, "cross_group_overlap": "forward"})
+    model = sw.DistributedModel(build("gpt2", freeze_key_bias=True, **SIZES))
+    optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    inputs, targets = next(iter(sw.data_loader(dataset("gpt2", ROWS * sw.dp_size()), batch_size=ROWS)))
+    seed_step("gpt2")(model, inputs, targets)
+    optimizer.step()
+    for param in model.get_module().parameters():  # not through the optimizer: its units still to go see it
+        if param.grad is not None:
+            param.grad.zero_()
+    try:
+        optimizer.synchronize()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"

@@ -14,6 +14,7 @@ that frozen parameters pass through every sharding mode.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -214,12 +215,15 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def train_reference(kind: str, optimizer: str, steps: int, global_batch: int, clip: float | None = None,
-                    model: nn.Module | None = None, skipped: tuple[int, ...] = (), **sizes) -> dict:
+                    model: nn.Module | None = None, skipped: tuple[int, ...] = (),
+                    schedule: Callable[[int], float] | None = None, **sizes) -> dict:
     """One plain PyTorch process, no shardwise: `steps` steps on consecutive global batches,
-    clipping the gradient norm to `clip` if given, taking no optimizer step at the indices in `skipped`;
+    clipping the gradient norm to `clip` if given, taking no optimizer step at the indices in `skipped`,
+    the learning rate scaled by `schedule(step)` (torch's LambdaLR, stepped after each step) if given;
     the model is `build(kind, **sizes)` unless given."""
     model = build(kind, freeze_key_bias=True, **sizes) if model is None else model
     opt = make_optimizer(optimizer, model.parameters())
+    scheduler = None if schedule is None else torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     data = dataset(kind, steps * global_batch)
     losses = []
     for step in range(steps):
@@ -231,6 +235,8 @@ def train_reference(kind: str, optimizer: str, steps: int, global_batch: int, cl
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if step not in skipped:
             opt.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 

@@ -69,9 +69,10 @@ def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
     if c.effective_zero_stage < 2 and changed(c, "auto_wrap_min_params"):
         yield "auto_wrap_min_params", "sizes ZeRO-2/3 sharding units; needs zero_stage 2 or 3"
     no_mics = c.sharded_data_parallel_degree == 1 or c.pipeline_parallel_degree > 1
-    if changed(c, "cross_group_reduce_dtype") and no_mics:
-        yield "cross_group_reduce_dtype", ("needs MiCS without a pipeline: sharded_data_parallel_degree > 1 and "
-                                           "smaller than the data-parallel degree, pipeline_parallel_degree 1")
+    for key in ("cross_group_reduce_dtype", "cross_group_overlap"):
+        if changed(c, key) and no_mics:
+            yield key, ("needs MiCS without a pipeline: sharded_data_parallel_degree > 1 and smaller "
+                        "than the data-parallel degree, pipeline_parallel_degree 1")
     if c.fp16 and changed(c, "non_finite_gradients"):
         yield "non_finite_gradients", "fp16's loss scaler skips every step with inf/nan gradients and lowers the scale"
     if not c.fp16:

@@ -79,6 +79,12 @@ class ShardwiseConfig(SmpOnlySettings):
     cross_group_reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="MiCS: the dtype of the gradient all-reduce across partition groups. bf16 halves its "
         "bytes; the reduce-scatter inside a group, the master weights and the optimizer stay fp32.")
+    cross_group_overlap: Literal["backward", "forward"] = Field(
+        "backward", description="MiCS: what the gradient all-reduce across partition groups overlaps. 'backward': "
+        "the backward pass, which waits for it at its end. 'forward': also optimizer.step() and the next forward, "
+        "which waits for each unit's shard where it reaches the unit; each shard is stepped as it lands, sent in "
+        "the order the next forward needs them. Gradients are final in step() (or after optimizer.synchronize(), "
+        "which model.parameters() calls), parameters after optimizer.synchronize(), as under ZeRO-1.")
     shard_optimizer_state: bool = Field(False, description="ZeRO-1: shard optimizer states over data-parallel ranks.")
     tensor_parallel_degree: int = Field(1, ge=1, description="Ranks inside a node that split each layer.")
     sequence_parallel: bool = Field(False, description="With tensor parallelism, shard the activations between the "

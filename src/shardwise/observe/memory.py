@@ -34,7 +34,8 @@ def _this_process() -> psutil.Process:
 
 def memory_record(models: Iterable[Any], optimizers: Iterable[Any], device: torch.device) -> dict[str, Optional[int]]:
     """parameters, gradients and optimizer-state bytes of this rank, device peak/allocated and host RSS."""
-    params = [p for model in models for p in model.local_parameters()]
+    # sizes only: the module's own parameters, without waiting for updates still in flight (model.parameters())
+    params = [p for model in models for p in model.get_module().parameters()]
     states = [value for optimizer in optimizers for entry in optimizer.state.values()
               for value in entry.values() if isinstance(value, torch.Tensor)]
     on_device = device.type != "cpu"

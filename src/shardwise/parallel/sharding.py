@@ -24,6 +24,7 @@ from ..topology.decisions import Wrapping
 from ..torch_internals import replicate
 from . import precision
 from .cross_group import CrossGroupReduction, unit_parameters
+from .cross_group_step import bind_step_as_shards_land
 from .optimizer_offload import sharded_offload_policy
 from .strategy import Strategy
 from .wrap import sharding_units
@@ -117,12 +118,16 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, how: Wrapping, cas
         prepare(model)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=precision.sharded_policy(cast, root=True), offload_policy=offload)
-        cross_group = None
-        if cross_group_dtype is not None:
-            *blocks, root = unit_parameters([*units, model])  # as FSDP2 took them; backward ends with the root
-            cross_group = CrossGroupReduction([*reversed(blocks), root], mesh["dp_replicate"].get_group(),
-                                              cross_group_dtype)
-        return Sharded(model, cross_group, hybrid)  # fully_shard turned `model` into an FSDPModule in place
+        if cross_group_dtype is None:
+            return Sharded(model, None, hybrid)  # fully_shard turned `model` into an FSDPModule in place
+        *blocks, root = unit_parameters([*units, model])  # as FSDP2 took them; backward ends with the root
+        deferred = current("sharding").config.cross_group_overlap == "forward"
+        cross_group = CrossGroupReduction([*reversed(blocks), root], mesh["dp_replicate"].get_group(),
+                                          cross_group_dtype, [*reversed(units), model] if deferred else None)
+        strategy = Sharded(model, cross_group, hybrid)
+        if deferred:
+            strategy.binding = bind_step_as_shards_land(cross_group)
+        return strategy
     if how is Wrapping.REPLICATE:
         return Replicated(replicate(model, mesh=mesh["rdp"], mp_policy=precision.sharded_policy(cast, root=True)), model)
     if how is Wrapping.DDP:
