@@ -40,7 +40,8 @@ BENCH = Path(__file__).resolve().parent
 RING_FACTORS = {"all-gather": lambda n: (n - 1) / n, "all-reduce": lambda n: 2 * (n - 1) / n,
                 "reduce-scatter": lambda n: 2 * (n - 1) / n}
 COMPUTE = "compute only (nothing sent)"
-MICS = ("shardwise MiCS", "shardwise MiCS bf16 cross-group")
+MICS = ("shardwise MiCS", "shardwise MiCS bf16 cross-group", "shardwise MiCS overlapping forward",
+        "shardwise MiCS bf16 overlapping forward")
 
 
 def link_bytes(collectives: dict[str, list[int]], per_node: int) -> tuple[float, list[str]]:
@@ -160,6 +161,7 @@ def plot(rows: dict[str, dict[str, dict]], path: str) -> None:
     order = sorted(range(len(rates)), key=lambda i: _rate_bytes_per_s(rates[i]))
     labels = [rates[i].replace("mbit", " Mbit/s").replace("none", "unshaped") for i in order]
     figure, axes = plt.subplots(figsize=(8, 5))
+    axes.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # a colour per configuration
     for name in rows[rates[0]]:
         axes.plot(labels, [rows[rates[i]][name]["median_s"] * 1e3 for i in order], marker="o", label=name,
                   linestyle="--" if not name.startswith("shardwise") else "-")

@@ -138,7 +138,7 @@ def shardwise(config: dict) -> Callable[[Shape, int], Setup]:
             train_step(module, inputs, targets)
             optimizer.step()
 
-        return Setup(step, (module, optimizer.optimizer), lambda: state.set_current(None))
+        return Setup(step, (module, optimizer.optimizer), lambda: state.set_current(None), optimizer.synchronize)
 
     return build
 

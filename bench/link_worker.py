@@ -6,7 +6,9 @@ Joins the gloo group the launcher describes, then for each configuration in
 turn (link_setups.py): builds it, runs `warmup` untimed steps and one step that
 records the collectives of every process group, then times `steps` steps
 (barrier-aligned) while reading how many bytes left this node over the link
-(the namespace's end of the veth pair, `GLOO_SOCKET_IFNAME`). Rank 0 writes
+(the namespace's end of the veth pair, `GLOO_SOCKET_IFNAME`). Work a step
+leaves in flight (MiCS's all-reduces under `cross_group_overlap: forward`) is
+waited for around the counted step and after the timed ones, untimed. Rank 0 writes
 every rank's numbers to `out` as JSON.
 """
 
@@ -32,10 +34,13 @@ def measure(name: str, shape: link_setups.Shape, per_node: int, steps: int, warm
     try:
         for _ in range(warmup):
             setup.step()
-        counted = collectives(setup.step, group_ranks)
+        setup.settle()
+        counted = collectives(lambda: (setup.step(), setup.settle()), group_ranks)
         dist.barrier()
         before = _link_tx_bytes()
         times = step_times(setup.step, steps)
+        setup.settle()  # the last step's all-reduces still in flight (untimed), so `steps` whole steps are counted
+        dist.barrier()
         sent = _link_tx_bytes() - before
     finally:
         setup.close()

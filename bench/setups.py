@@ -36,6 +36,7 @@ class Setup(NamedTuple):
     step: Callable[[], None]
     tracked: tuple           # the model and optimizer objects MemTracker needs to know
     close: Callable[[], None] = lambda: None
+    settle: Callable[[], None] = lambda: None  # wait for work a step leaves in flight (a deferred all-reduce)
 
 
 def hf_config(model: str) -> transformers.GPT2Config:
