@@ -184,3 +184,9 @@ def _zero_in_place_then_synchronize() -> str:
     except RuntimeError as err:
         return str(err)
     return "no error"
+
+
+def test_deferred_units_go_half_as_backward_finishes_them_then_in_the_next_forwards_order():
+    backward = ["head", "b3", "b2", "b1", "b0", "root"]  # the order backward finishes them
+    assert cross_group.send_order(backward) == ["head", "b3", "b2", "root", "b0", "b1"]
+    assert cross_group.send_order(backward[2:]) == ["b2", "b1", "root", "b0"]  # at least IN_FLIGHT ahead

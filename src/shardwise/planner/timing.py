@@ -16,7 +16,7 @@ copies between host and device: offload.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
@@ -32,7 +32,7 @@ from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, cross_group_byte
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
          "next_forward": "overlaps next forward", "after_step": "after the optimizer step",
-         "critical": "critical path"}
+         "whole_step": "overlaps backward, step and next forward", "critical": "critical path"}
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class _Traffic:
 
     def __init__(self, cluster: ClusterSpec, layout: Layout, microbatches: int, blocks: int):
         self.cluster, self.layout, self.microbatches, self.blocks = cluster, layout, microbatches, blocks
-        self.forward = self.backward = self.sync = self.next_forward = self.after_step = LinkTime()
+        self.forward = self.backward = self.sync = self.next_forward = self.after_step = self.whole_step = LinkTime()
         self.first_bucket = 0.0
         self.records: list[Collective] = []
 
@@ -136,9 +136,11 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     if stage == 3:
         traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter")
     traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), "gradient")
-    # MiCS's cross-group all-reduce: one per unit (the blocks, then the root), overlapping the last backward
+    # MiCS's cross-group all-reduce: one per unit (the blocks, then the root), overlapping the last backward, or
+    # (cross_group_overlap: forward, parallel/cross_group.py) also the optimizer step and the next forward
     shards = rank_params / layout.dp_shard * cross_group_bytes(config, layout)
-    traffic.add("sync", "all_reduce", shards, ("dp_replicate",), "gradient shard", spec.stage_layers(layout.pp) + 1)
+    when = "whole_step" if config.cross_group_overlap == "forward" and layout.pp == 1 else "sync"
+    traffic.add(when, "all_reduce", shards, ("dp_replicate",), "gradient shard", spec.stage_layers(layout.pp) + 1)
 
 
 def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, spec: ModelSpec,
@@ -265,6 +267,9 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
                     optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
                     offload=_offload_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing,
                                              m * busy))
+    # All-reduces that outlive backward overlap everything else the step does; one unit's is exposed.
+    whole = time.total
+    time = replace(time, data_parallel=time.data_parallel + _phase(whole, traffic.whole_step, layers + 1) - whole)
     tokens_per_s = micro_batch * m * layout.dp * seq / time.total
     mfu = tokens_per_s * spec.flops_per_token(seq) / (cluster.world_size * peak)
     return StepTime(**time.parts(), tokens_per_s=tokens_per_s, mfu=mfu, collectives=tuple(traffic.records))
