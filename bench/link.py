@@ -160,7 +160,7 @@ def plot(rows: dict[str, dict[str, dict]], path: str) -> None:
     rates = list(rows)
     order = sorted(range(len(rates)), key=lambda i: _rate_bytes_per_s(rates[i]))
     labels = [rates[i].replace("mbit", " Mbit/s").replace("none", "unshaped") for i in order]
-    figure, axes = plt.subplots(figsize=(8, 5))
+    figure, axes = plt.subplots(figsize=(11, 5))
     axes.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # a colour per configuration
     for name in rows[rates[0]]:
         axes.plot(labels, [rows[rates[i]][name]["median_s"] * 1e3 for i in order], marker="o", label=name,
@@ -169,7 +169,7 @@ def plot(rows: dict[str, dict[str, dict]], path: str) -> None:
     axes.set_ylabel("step time, ms (median)")
     axes.set_yscale("log")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines, not over them
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
