@@ -99,7 +99,9 @@ def _done(work: dist.Work) -> bool:
 
 class CrossGroupReduction:
     """All-reduces the gradient shards of `units` (FSDP2 units' parameters, in the order backward finishes
-    them) over `group` in `dtype`, overlapping backward. `final` is False on microbatches before the last."""
+    them) over `group` in `dtype`, overlapping backward. `final` is False on microbatches before the last.
+    Given the units' `forward_modules`, deferred: also the optimizer step and the next forward, whose hook on
+    each unit waits for that unit's all-reduce; `listeners` hear of each unit as it lands."""
 
     def __init__(self, units: list[list[nn.Parameter]], group: dist.ProcessGroup, dtype: torch.dtype,
                  forward_modules: Optional[list[nn.Module]] = None):

@@ -29,7 +29,8 @@ class StepAsShardsLand(OptimizerUpdate):
                  device: torch.device, *, reduction: CrossGroupReduction):
         super().__init__(optimizer, strategy, scaler, device)
         self.reduction = reduction
-        self._whole_steps_only = scaler is not None or current("cross_group_overlap").config.non_finite_gradients != "off"
+        checks = current("cross_group_overlap").config.non_finite_gradients != "off"
+        self._whole_steps_only = scaler is not None or checks  # they read every gradient before stepping any
         self._options: Optional[list[dict[str, Any]]] = None  # each group's options at step(), while shards land
         reduction.listeners.append(self._landed)
 
