@@ -130,3 +130,11 @@ def train_selective(config: dict, kind: str = "gpt2") -> dict:
 def test_selective_checkpointing_trains_as_one_plain_process(config):
     ranks = run_distributed(train_selective, 2, config, timeout=240)
     assert_trains_as(ranks, train_reference("gpt2", "sgd", STEPS, ROWS * ranks[0]["dp_size"]), TOLERANCE)
+
+
+def test_the_planner_and_the_runtime_know_the_same_policy_names():
+    """config/strategies.POLICIES (read by the planner, which loads no torch) lists what NAMED maps to ops."""
+    from shardwise.config.strategies import POLICIES
+    from shardwise.parallel.selective_checkpointing import NAMED
+
+    assert sorted(POLICIES) == sorted(NAMED)
