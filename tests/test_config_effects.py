@@ -40,6 +40,10 @@ CASES = {
     "wrap size without ZeRO-2/3": (
         {"shard_optimizer_state": True, "auto_wrap_min_params": 1000},
         [("auto_wrap_min_params", "sizes ZeRO-2/3 sharding units; needs zero_stage 2 or 3")]),
+    "MiCS's cross-group options without partition groups": (
+        {"cross_group_reduce_dtype": "bf16", "cross_group_overlap": "forward"},
+        [(key, "needs MiCS without a pipeline: sharded_data_parallel_degree > 1 and smaller than the data-parallel "
+               "degree, pipeline_parallel_degree 1") for key in ("cross_group_reduce_dtype", "cross_group_overlap")]),
 }
 
 EFFECTIVE = [
@@ -52,6 +56,7 @@ EFFECTIVE = [
     {"pipeline_parallel_degree": 2, "auto_partition": False, "default_partition": 1},  # SMP's manual placement
     {"tensor_parallel_degree": 2, "prescaled_batch": True},
     {"sharded_data_parallel_degree": 2, "auto_wrap_min_params": 1000},
+    {"sharded_data_parallel_degree": 2, "cross_group_reduce_dtype": "bf16", "cross_group_overlap": "forward"},
 ]
 
 
