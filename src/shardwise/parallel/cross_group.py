@@ -31,10 +31,11 @@ pass does not wait: the all-reduces go on through the optimizer step and the
 next forward, which waits in each unit's forward pre-hook for that unit's
 shard only. Half the units go as backward finishes them, the rest in the order
 that forward needs them (`send_order`). Each lands when something waits for it
-or finds it done (`advance`, and every delivery in backward): its average is written into the gradients
-unless they changed since backward delivered them (`optimizer.zero_grad()`
-after the step), in which case it is handed aside to the listeners (the
-optimizer update, cross_group_step.py, steps the shard as it lands).
+or finds it done (`advance`, and every delivery in backward): its average is
+written into the gradients unless they changed since backward delivered them
+(`optimizer.zero_grad()` after the step), in which case it is handed aside to
+the listeners (the optimizer update, cross_group_step.py, steps the shard as
+it lands).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class _Unit:
         self.delivered = 0  # parameters whose shard FSDP2 has handed over on the final pass
         self.landed = False  # its all-reduce has been waited for, this round
         self.sent: list[tuple[Optional[torch.Tensor], Optional[int]]] = []  # each gradient and its version, sent
-        self.aside: dict[nn.Parameter, Optional[torch.Tensor]] = {}  # averages of gradients changed since
+        self.aside: dict[nn.Parameter, Optional[torch.Tensor]] = {}  # averages whose gradient changed since sent
 
 
 def _held(param: nn.Parameter) -> tuple[Optional[torch.Tensor], Optional[int]]:
