@@ -31,7 +31,8 @@ from .storage import plain_data_globals, verify
 def resume_from_checkpoint(path: str, tag: Optional[str] = None, partial: bool = True, strict: bool = True,
                            load_optimizer: bool = True, load_sharded_optimizer_state: bool = True,
                            translate_function: Optional[Callable[[dict], dict]] = None,
-                           trusted_user_content: bool = False, model: Any = None, optimizer: Any = None) -> Any:
+                           trusted_user_content: bool = False, model: Any = None, optimizer: Any = None,
+                           restore_positions: bool = True) -> Any:
     """Load the checkpoint `path/tag` (the newest complete one when `tag` is None) into the DistributedModel
     and DistributedOptimizer, and return the `user_content` it was saved with.
 
@@ -41,7 +42,9 @@ def resume_from_checkpoint(path: str, tag: Optional[str] = None, partial: bool =
     `load_sharded_optimizer_state` is accepted for SMP scripts and changes nothing. `translate_function`
     maps a full checkpoint's model state dict to this model's names before loading (`partial=False` only).
     `trusted_user_content=True` unpickles a `user_content` holding arbitrary objects (it runs code).
-    `model` and `optimizer` say which ones to load when several DistributedModels are live."""
+    `model` and `optimizer` say which ones to load when several DistributedModels are live.
+    `restore_positions=False` leaves the data loaders' positions and the RNG streams as the script set them
+    (DeepSpeed's `load_checkpoint` restores neither, and its scripts skip batches themselves)."""
     runtime = current("shardwise.resume_from_checkpoint")
     wait_for_pending_save(runtime)
     model, optimizer = subjects(runtime, model, optimizer)
@@ -55,7 +58,8 @@ def resume_from_checkpoint(path: str, tag: Optional[str] = None, partial: bool =
         source.entries = {**{p: s for p, s in source.entries.items() if p[0] != MODEL},
                           **{(MODEL, name): Stored(t.shape, t.dtype) for name, t in source.nested[MODEL].items()}}
     load_optimizer = load_optimizer and optimizer is not None
-    plan = agree(group, lambda: _Plan(runtime, model, optimizer if load_optimizer else None, source.entries, strict))
+    plan = agree(group, lambda: _Plan(runtime, model, optimizer if load_optimizer else None, source.entries, strict,
+                                      restore_positions))
     plan.apply(source.read(plan.targets))
     content = agree(group, lambda: _user_content(directory, trusted_user_content))
     dist.barrier(group=group)
@@ -100,8 +104,10 @@ def _allocate(item: Stored, like: Optional[torch.Tensor], device: torch.device) 
 class _Plan:
     """This rank's targets for one checkpoint, checked against what it holds, and how to apply them."""
 
-    def __init__(self, runtime: Runtime, model: Any, optimizer: Any, entries: dict[tuple, Stored], strict: bool):
+    def __init__(self, runtime: Runtime, model: Any, optimizer: Any, entries: dict[tuple, Stored], strict: bool,
+                 restore_positions: bool):
         self.runtime, self.model, self.optimizer = runtime, model, optimizer
+        self.restore_positions = restore_positions
         self.updates = [optimizer.update] if optimizer is not None else []
         self.names = parameter_names(model.get_module())
         self.targets: dict = {MODEL: self._model_targets(under(entries, (MODEL,)), strict)}
@@ -175,6 +181,8 @@ class _Plan:
         self.optimizer.steps = int(meta.get("steps", 0))
         if self.model.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.model.loss_scaler.load_state_dict(meta["loss_scaler"])
+        if not self.restore_positions:
+            return
         loaders = meta.get("loaders") or {}
         restore_loader_states(self.runtime, [loaders[str(i)] for i in range(len(loaders))])
         own = loaded.get(RNG, {}).get(f"rank{self.runtime.rank}")

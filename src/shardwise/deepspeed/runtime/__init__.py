@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.*`: the module paths scripts import DeepSpeed's runtime names from."""
