@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.testing import run_distributed
-from tiny_models import build, dataset, loss_fn
+from tiny_models import VOCAB, build, dataset, loss_fn
 
 STEPS, GAS, MICRO, ROWS = 3, 2, 2, 64
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6, "torch_adam": True}}
@@ -239,3 +239,96 @@ def test_checkpoint_resumes_in_another_layout_with_client_state(references, tmp_
         assert mean == pytest.approx(want["losses"][2 * GAS:], rel=TOLERANCE, abs=TOLERANCE)
         for name, value in want["state"].items():
             torch.testing.assert_close(got["state"][name], value, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def _zero_init_and_gather(world: int) -> dict:
+    """A model built inside zero.Init (on the meta device until the engine places its shards), trained one
+    step; then GatheredParameters shows whole weights, and rank 0's edit reaches every rank's shards."""
+    import shardwise.deepspeed as deepspeed
+    from shardwise.deepspeed.runtime.utils import set_random_seed
+
+    set_random_seed(1234)
+    config = {"train_micro_batch_size_per_gpu": 8 // world, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 32), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                    torch.nn.LayerNorm(32), torch.nn.Linear(32, VOCAB))
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=config, training_data=dataset("stack", 32))
+    ids, targets = next(iter(engine.training_dataloader))
+    engine.backward(F.cross_entropy(engine(ids).flatten(0, 1), targets.flatten()))
+    engine.step()
+    head = engine.module[4]
+    with deepspeed.zero.GatheredParameters(head.weight, modifier_rank=None):
+        seen = tuple(head.weight.shape)
+    with deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=0):
+        if deepspeed.comm.get_rank() == 0:
+            head.weight.data.fill_(0.5)
+    with deepspeed.zero.GatheredParameters(head.weight):
+        after = head.weight.detach().clone()
+    state = engine.module_state_dict()
+    return {"meta": built_on_meta, "seen": seen, "after": after, "state": state}
+
+
+def test_zero_init_builds_on_meta_and_gathered_parameters_edit_every_shard():
+    one = run_distributed(_zero_init_and_gather, 1, 1)[0]
+    ranks = run_distributed(_zero_init_and_gather, 2, 2)
+    for got in ranks:
+        assert got["meta"] and got["seen"] == (128, 32)
+        assert bool((got["after"] == 0.5).all())
+    for name, value in one["state"].items():
+        torch.testing.assert_close(ranks[1]["state"][name], value, rtol=TOLERANCE, atol=TOLERANCE, msg=name)
+
+
+def _misuse(case: str, tmp: str) -> str:
+    import shardwise.deepspeed as deepspeed
+
+    model = build("stack")
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    try:
+        if case == "no config":
+            deepspeed.initialize(model=model)
+        elif case == "config twice":
+            args = argparse.Namespace(deepspeed_config=f"{tmp}/x.json")
+            deepspeed.initialize(args=args, model=model, config=config)
+        elif case == "mpu":
+            deepspeed.initialize(model=model, config=config, mpu=object())
+        elif case == "no model":
+            deepspeed.initialize(config=config)
+        elif case == "missing file":
+            deepspeed.initialize(model=model, config=f"{tmp}/absent.json")
+        elif case == "other layout":
+            deepspeed.initialize(model=model, config=config)
+            deepspeed.initialize(model=build("stack"), config=dict(config, zero_optimization={"stage": 3}))
+        elif case == "no optimizer":
+            engine, *_ = deepspeed.initialize(model=model, config=config)
+            engine.backward(engine(torch.zeros(2, 8, dtype=torch.long))["logits"].sum())
+        elif case == "no_sync at ZeRO-2":
+            engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=torch.optim.SGD(
+                model.parameters(), lr=0.1))
+            with engine.no_sync():
+                pass
+        elif case == "step in no_sync":
+            engine, *_ = deepspeed.initialize(model=model, config=dict(config, zero_optimization={"stage": 0}),
+                                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+            with engine.no_sync():
+                engine.step()
+    except Exception as error:  # noqa: BLE001  (the message is what is checked)
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no config", "no DeepSpeed config; pass --deepspeed_config FILE"),
+    ("config twice", "the config is given twice, by --deepspeed_config"),
+    ("mpu", "initialize(mpu=...): shardwise builds its own tensor-parallel groups"),
+    ("no model", "requires a model"),
+    ("missing file", "file does not exist"),
+    ("other layout", "every engine of a process shares one layout"),
+    ("no optimizer", "engine.backward needs an optimizer"),
+    ("no_sync at ZeRO-2", "no_sync() is incompatible with ZeRO stage 2"),
+    ("step in no_sync", "engine.step() is illegal inside engine.no_sync()"),
+])
+def test_misuse_is_a_one_line_error(case, message, tmp_path):
+    error = run_distributed(_misuse, 1, case, str(tmp_path))[0]
+    assert message in error and "\n" not in error.strip(), error

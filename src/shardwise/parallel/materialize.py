@@ -76,6 +76,8 @@ def materialize(module: nn.Module, device: torch.device, seed: int, root: Option
             if own and all(i in done for i in own):
                 continue  # a tied weight its first module already initialised
             init = _initialiser(_ancestors(root, name), sub)
+            if init is None and not own:
+                continue  # a container (nn.Sequential): its children initialised their own tensors
             if init is None:  # its tensors would keep whatever memory torch.empty found
                 raise ValueError(f"delayed parameter initialisation cannot initialise {name or 'the model'!r} "
                                  f"({type(sub).__name__}): it has no reset_parameters() and no Hugging Face model "
