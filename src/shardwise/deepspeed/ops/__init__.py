@@ -1,0 +1,1 @@
+"""`deepspeed.ops`: the optimizers scripts construct themselves (`deepspeed.ops.adam.FusedAdam`, ...)."""
