@@ -5,8 +5,9 @@
     scheduler = sw.configured_scheduler(optimizer)      # torch LRScheduler, stepped once per optimizer step
     loader = sw.data_loader(dataset, batch_size=sw.configured_batch_size())
 
-The optimizers are torch.optim's, with DeepSpeed's defaults (its `Adam` decouples
-weight decay, as DeepSpeed's FusedAdam does unless `adam_w_mode` is false). The
+The optimizers are torch.optim's with DeepSpeed's defaults (its `Adam` decouples
+weight decay, as DeepSpeed's FusedAdam does unless `adam_w_mode` is false), and
+`Lamb` is DeepSpeed's rule on shardwise.optimizers' FusedLamb (`DeepSpeedLamb`). The
 schedules are `torch.optim.lr_scheduler.LRScheduler`s computing DeepSpeed's
 formulas, from the same step count: DeepSpeed's iteration is torch's
 `last_epoch - 1`, so the learning rate after k `step()` calls is DeepSpeed's.
@@ -21,25 +22,82 @@ from typing import Any, Iterable, Union
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..config.schema import OptimizerBlock, SchedulerBlock
+from ..config.blocks import OptimizerBlock, SchedulerBlock
+from ..optimizers import FusedLamb, _widened, _write_back, whole_norms
 from ..runtime.state import current
 from .optimizer import DistributedOptimizer
 
-__all__ = ["configured_batch_size", "configured_optimizer", "configured_scheduler", "OneCycle", "WarmupDecayLR",
-           "WarmupLR"]
+__all__ = ["configured_batch_size", "configured_optimizer", "configured_scheduler", "DeepSpeedLamb", "OneCycle",
+           "WarmupDecayLR", "WarmupLR"]
 
 # DeepSpeed's defaults, where torch's differ (torch's AdamW decays weights by 0.01, DeepSpeed's by 0).
-_OPTIMIZER_DEFAULTS = {"Adam": {"lr": 1e-3, "weight_decay": 0.0}, "AdamW": {"lr": 1e-3, "weight_decay": 0.0},
-                       "SGD": {}}
+_OPTIMIZER_DEFAULTS = {"Adam": {"lr": 1e-3, "weight_decay": 0.0}, "AdamW": {"lr": 1e-3, "weight_decay": 0.0}}
+# What only DeepSpeed's kernels read: its choice between its fused Adam and torch's (torch's here), CPU Adam's state
+# dtype (fp32 here), and the bias correction torch's Adam always makes (validation refuses false).
+_DEEPSPEED_ONLY = ("torch_adam", "fp32_optimizer_states", "bias_correction", "adam_w_mode")
 
 
 def _torch_optimizer(block: OptimizerBlock, params: Iterable[Any]) -> torch.optim.Optimizer:
+    """The optimizer `block` names, as DeepSpeed builds it without its CUDA kernels: Adam decouples weight decay
+    (torch's AdamW) unless `adam_w_mode` is false (torch's Adam, decay added to the gradient), as DeepSpeed's
+    FusedAdam does; Lamb is DeepSpeedLamb; SGD and Adagrad are torch's, as DeepSpeed builds them."""
+    if block.type == "Lamb":
+        return DeepSpeedLamb(params, **block.params)
+    if block.type in ("SGD", "Adagrad"):
+        return getattr(torch.optim, block.type)(params, **block.params)
     args = {**_OPTIMIZER_DEFAULTS[block.type], **block.params}
-    args.pop("torch_adam", None)  # DeepSpeed's choice between its fused kernel and torch's: torch's here
-    decoupled = args.pop("adam_w_mode", True) or block.type == "AdamW"
-    if block.type == "SGD":
-        return torch.optim.SGD(params, **args)
+    decoupled = args.get("adam_w_mode", True) or block.type == "AdamW"
+    for name in _DEEPSPEED_ONLY:
+        args.pop(name, None)
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **args)
+
+
+class DeepSpeedLamb(FusedLamb):
+    """DeepSpeed's `Lamb` (its FusedLamb's CUDA kernel, `fused_lamb_cuda_kernel.cu`) on FusedLamb's foreach
+    machinery, so it runs on any device and on sharded (DTensor) parameters: with Adam's raw moments m and v,
+    update = m / (sqrt(v) + eps) + weight_decay × p (eps inside the root with `eps_inside_sqrt`); each tensor moves
+    by lr × sqrt(1 - beta2^t) / (1 - beta1^t) × clamp(‖p‖ / ‖update‖, min_coeff, max_coeff) × update (the ratio 1
+    where either norm is 0; without `bias_correction` the step is lr). apex's rule (FusedLamb) corrects the moments
+    inside the update, applies the ratio only with weight decay, and clamps nothing."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
+                 weight_decay: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01, amsgrad: bool = False):
+        if amsgrad:
+            raise RuntimeError("DeepSpeed's Lamb does not support the AMSGrad variant; fix: pass amsgrad=False")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff,
+                        max_grad_norm=0.0)  # FusedLamb.step's global clip: off, as DeepSpeed's default 0.0 has it
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self.set_grad_none = True
+
+    def _step_alike(self, group: dict[str, Any], params: list[torch.Tensor], step: int, divisor: float) -> None:
+        beta1, beta2 = group["betas"]
+        states = [self._state(p) for p in params]
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        values, grads = _widened(params), _widened([p.grad for p in params])
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        if group["eps_inside_sqrt"]:
+            denominators = torch._foreach_add(exp_avg_sqs, group["eps"])
+            torch._foreach_sqrt_(denominators)
+        else:
+            denominators = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_add_(denominators, group["eps"])
+        updates = torch._foreach_div(exp_avgs, denominators)
+        if group["weight_decay"]:
+            torch._foreach_add_(updates, values, alpha=group["weight_decay"])
+        step_size = group["lr"]
+        if group["bias_correction"]:  # the kernel corrects the step, not the moments
+            step_size *= math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+        param_norms, update_norms = whole_norms(values), whole_norms(updates)
+        ratios = (param_norms / update_norms).clamp(group["min_coeff"], group["max_coeff"])
+        ratios = torch.where((param_norms != 0) & (update_norms != 0), ratios, 1.0)
+        torch._foreach_mul_(updates, (step_size * ratios).tolist())
+        torch._foreach_sub_(values, updates)
+        _write_back(params, values)
 
 
 def _config(name: str):

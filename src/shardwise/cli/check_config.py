@@ -43,8 +43,9 @@ def run(args: argparse.Namespace) -> int:
     source = args.config or args.config_flag
     data = read_file(source) if source else {}
     translated = deepspeed.is_deepspeed(data)
-    if translated:
-        print(deepspeed.describe(deepspeed.translate(data)))
+    translation = deepspeed.translate(data) if translated else None
+    if translation and not translation.problems:  # else validation below raises them, as init and run do
+        print(deepspeed.describe(translation))
     with warnings.catch_warnings():
         if translated:  # what it cannot honour is in the section above, not repeated as a warning
             warnings.simplefilter("ignore", IneffectiveSettingsWarning)

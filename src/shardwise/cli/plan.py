@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
-from ..planner import (CLUSTER_PRESETS, MODEL_PRESETS, Plan, PlanError, cluster_preset, custom_cluster, plan,
-                       print_plan, resolve_model, to_json, write_config)
+from ..config.sources import load_dict
+from ..planner import (CHECKPOINTING, CLUSTER_PRESETS, MODEL_PRESETS, Plan, PlanError, cluster_preset, custom_cluster,
+                       evaluate, plan, print_plan, resolve_model, to_json, write_config)
 from ..planner.hardware import GB, GiB
 from ..planner.report import checkpointing_call, config_format
+from ..topology.layout import validate
 from .flags import fraction, positive
 
 # Cluster flags: (flag, ClusterSpec/override field, unit multiplier, type, help, required without --cluster).
@@ -47,6 +50,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=positive(int), metavar="S", help="tokens per sequence (default: the model's)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                    help="default: the device's fastest (bf16 on A100/H100, fp16 on T4, fp32 on CPU)")
+    p.add_argument("--config", metavar="FILE",
+                   help="predict this config instead of ranking every layout: a shardwise, SMP or DeepSpeed config "
+                        "file, read as `shardwise run` reads it (its precision and batch sizes too)")
+    p.add_argument("--checkpointing", choices=CHECKPOINTING, default="none",
+                   help="with --config: the activation checkpointing the script applies (default none)")
     p.add_argument("--top", type=positive(int), default=10, metavar="K", help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print every layout considered as JSON instead of the table")
     p.add_argument("--explain", action="store_true", help="also show step-time parts, collectives and every rejection")
@@ -89,12 +97,38 @@ def _write_best(result: Plan, path: str) -> None:
           f"data_loader batch_size: {best.batch_size}", file=sys.stderr)
 
 
+def _planned_config(args: argparse.Namespace, spec, cluster) -> Plan:
+    """The one config of --config on `cluster`, as a plan of one layout. Its global batch is its train_batch_size
+    (worked out on this cluster, as `run` would), else --global-batch, else one sequence per device."""
+    if args.precision:
+        raise PlanError("--precision does not go with --config: the config's bf16/fp16 keys set the precision")
+    with warnings.catch_warnings(record=True) as notes:  # what the config cannot honour, shown as the CLI shows it
+        warnings.simplefilter("always")
+        data = load_dict(args.config)
+    for note in notes:
+        print(f"shardwise plan: warning: {note.message}", file=sys.stderr)
+    data.pop("metrics_sinks", None)  # where metrics go changes neither memory nor time
+    config, _ = validate(data, cluster.topology)
+    total = config.train_batch_size
+    if args.global_batch and total and args.global_batch != total:
+        raise PlanError(f"--global-batch {args.global_batch} disagrees with the config's train_batch_size {total} "
+                        f"on {cluster.world_size} devices; drop one of them")
+    global_batch = total or args.global_batch or cluster.world_size
+    if not cluster.device.supports(config.dtype_name):
+        raise PlanError(f"the config's precision {config.dtype_name} is not supported by {cluster.device.name}")
+    e = evaluate(spec, cluster, data, global_batch=global_batch, seq=args.seq, checkpointing=args.checkpointing)
+    return Plan(spec, cluster, global_batch, args.seq or spec.seq_len, config.dtype_name, [e])
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.out:
             config_format(args.out)
         spec = resolve_model(args.model, input_shape=args.input_shape, seq=args.seq)
-        result = plan(spec, _cluster(args), global_batch=args.global_batch, seq=args.seq, precision=args.precision)
+        if args.config:
+            result = _planned_config(args, spec, _cluster(args))
+        else:
+            result = plan(spec, _cluster(args), global_batch=args.global_batch, seq=args.seq, precision=args.precision)
         if args.json:
             print(json.dumps(to_json(result), indent=1))
         else:

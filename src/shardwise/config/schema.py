@@ -9,43 +9,15 @@ keys without a counterpart here come from `smp_only.py`; SMP's other spellings
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .blocks import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, OptimizerBlock, SchedulerBlock  # noqa: F401 (re-exported)
 from .smp_only import SmpOnlySettings
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules that run one stage per rank
 PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}  # SMP's names for two orders of the letters D, P, T
-
-
-# The constructor arguments `sw.configured_optimizer` / `sw.configured_scheduler` take for each type (DeepSpeed's
-# names; api/configured.py builds them on torch.optim).
-OPTIMIZER_PARAMS = {"Adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"),
-                    "AdamW": ("lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam"),
-                    "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
-_WARMUP = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")
-SCHEDULER_PARAMS = {"WarmupLR": _WARMUP, "WarmupDecayLR": ("total_num_steps", *_WARMUP),
-                    "OneCycle": ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
-                                 "cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count",
-                                 "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom",
-                                 "decay_mom_rate", "last_batch_iteration")}
-
-
-class OptimizerBlock(BaseModel):
-    """DeepSpeed's `optimizer` block: the torch optimizer `sw.configured_optimizer` builds."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["Adam", "AdamW", "SGD"]
-    params: dict[str, Any] = Field(default_factory=dict)
-
-
-class SchedulerBlock(BaseModel):
-    """DeepSpeed's `scheduler` block: the learning-rate schedule `sw.configured_scheduler` builds."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["WarmupLR", "WarmupDecayLR", "OneCycle"]
-    params: dict[str, Any] = Field(default_factory=dict)
 
 
 class DynamicLossArgs(BaseModel):
@@ -138,8 +110,8 @@ class ShardwiseConfig(SmpOnlySettings):
     train_micro_batch_size_per_gpu: Optional[int] = Field(
         None, ge=1, description="Samples per microbatch on each data-parallel rank (DeepSpeed's).")
     optimizer: Optional[OptimizerBlock] = Field(
-        None, description="{type: Adam|AdamW|SGD, params: {...}} with DeepSpeed's names and defaults: the optimizer "
-        "sw.configured_optimizer(model) builds and wraps in a DistributedOptimizer.")
+        None, description="{type: Adam|AdamW|Lamb|Adagrad|SGD, params: {...}} with DeepSpeed's names (its own in any "
+        "case) and defaults: the optimizer sw.configured_optimizer(model) builds and wraps in a DistributedOptimizer.")
     scheduler: Optional[SchedulerBlock] = Field(
         None, description="{type: WarmupLR|WarmupDecayLR|OneCycle, params: {...}} with DeepSpeed's names and "
         "semantics: the schedule sw.configured_scheduler(optimizer) builds.")
@@ -170,6 +142,10 @@ class ShardwiseConfig(SmpOnlySettings):
     metrics_interval: int = Field(
         1, ge=0, description="Record metrics every N optimizer steps (0: off). Cheap ones (loss, step time, "
         "throughput, lr, grad norm, loss scale, skipped steps, memory) always; the costly ones by their own keys.")
+    steps_per_print: Optional[int] = Field(
+        None, ge=1, description="DeepSpeed's: every N optimizer steps the DeepSpeed engine (shardwise.deepspeed) "
+        "prints its console progress line. It throttles that line only; what is recorded, and how often, is "
+        "metrics_interval's. Unset: no progress line, as in DeepSpeed 0.19 (earlier releases printed every 10).")
     metrics_sinks: list[Literal["csv", "tensorboard", "wandb"]] = Field(
         [], description="Where rank 0 writes the global metrics besides global.jsonl: "
         "metrics.csv, TensorBoard event files under <metrics dir>/tensorboard, Weights & Biases (when installed).")

@@ -31,6 +31,7 @@ INSTEAD = {
     "fp32_grad_accumulation": "fp16 keeps fp32 master weights and reduces gradients in fp32",
     "sharded_data_parallelism_config": "sharding follows sharded_data_parallel_degree and zero_stage; "
                                        "DeepSpeed configs are not read",
+    "overlapping_allreduce": "gradients are always reduced while backward runs; they come out the same",
 }
 
 # Keys of sharded data parallelism and what FSDP2, which shards here, does instead.
@@ -74,6 +75,9 @@ class SmpOnlySettings(BaseModel):
                                               description="SMP (internal): one tp rank offloads shared activations.")
     task_level_activation_loading_horizon: int = Field(4, ge=1, description="SMP (internal): offload loading tasks "
                                                        "queued ahead.")
+    overlapping_allreduce: bool = Field(True, description="SMP: overlap the gradient all-reduce with backward "
+                                        "(documented as a DistributedModel argument; SMP's BERT notebook passes it in "
+                                        "the config).")
     sdp_reduce_bucket_size: int = Field(500_000_000, ge=1, description="SMP: elements per gradient reduction "
                                         "bucket under sharded data parallelism.")
     sdp_param_persistence_threshold: int = Field(1_000_000, ge=0, description="SMP: parameters up to this size "

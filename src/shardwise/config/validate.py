@@ -11,9 +11,10 @@ from typing import Any, Iterable, Mapping
 
 from pydantic import ValidationError
 
+from .blocks import block_problems
 from .errors import ConfigError, Problem, did_you_mean
 from .pipeline import pipeline_problems
-from .schema import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ShardwiseConfig, field_names, unavailable_features
+from .schema import ShardwiseConfig, field_names, unavailable_features
 from .smp_forms import translate
 from .sources import ConfigSource, load_dict
 
@@ -37,8 +38,21 @@ def _pydantic_problems(err: ValidationError, data: Mapping[str, Any]) -> list[Pr
         fix = _FIXES.get(item["type"], "see the config reference in the README")
         fix = fix.format(limit=limit, expected=ctx.get("expected", ""))
         rule = item["msg"][:1].lower() + item["msg"][1:]  # pydantic's sentence, inside ours
-        problems.append(Problem(key, data.get(item["loc"][0], item.get("input")), rule, fix))
+        problems.append(Problem(key, _given(data, item["loc"], item.get("input")), rule, fix))
     return problems
+
+
+def _given(data: Mapping[str, Any], loc: tuple, fallback: Any) -> Any:
+    """The value at `loc` as the config gave it (a nested key's own value, not its whole section)."""
+    value: Any = data
+    for part in loc:
+        if isinstance(value, Mapping) and part in value:
+            value = value[part]
+        elif isinstance(value, (list, tuple)) and isinstance(part, int) and part < len(value):
+            value = value[part]
+        else:
+            return fallback
+    return value
 
 
 def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
@@ -74,19 +88,6 @@ def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
                       "conflicts with sharded_data_parallel_degree > 1 (which already shards optimizer states)",
                       "drop shard_optimizer_state, or set sharded_data_parallel_degree to 1")
     yield from pipeline_problems(c)
-    yield from _block_problems(c)
-
-
-def _block_problems(c: ShardwiseConfig) -> Iterable[Problem]:
-    """Parameters the optimizer or scheduler `type` does not take, caught before a rank builds it."""
-    for key, block, known in (("optimizer", c.optimizer, OPTIMIZER_PARAMS), ("scheduler", c.scheduler,
-                                                                             SCHEDULER_PARAMS)):
-        if block is None:
-            continue
-        for name, value in block.params.items():
-            if name not in known[block.type]:
-                hint = did_you_mean(name, known[block.type]) or f"use {', '.join(known[block.type])}"
-                yield Problem(f"{key}.params.{name}", value, f"is not a parameter of {block.type}", hint)
 
 
 def _indivisible(total: int, key: str, factor: int, dp: int) -> Problem:
@@ -136,6 +137,11 @@ def config_problems(data: Mapping[str, Any]) -> tuple[ShardwiseConfig, list[Prob
             problems.append(Problem(str(key), data[key], "unknown key",
                                     hint or "remove it; valid keys are listed in the README's config reference"))
     clean = {k: v for k, v in data.items() if k in known}
+    for key in ("optimizer", "scheduler"):  # checked here, so that a broken block is one problem per value
+        found = block_problems(key, clean[key]) if clean.get(key) is not None else []
+        if found:
+            problems.extend(found)
+            del clean[key]
     try:
         config = ShardwiseConfig(**clean)
     except ValidationError as err:

@@ -15,6 +15,7 @@ from itertools import product
 from typing import Any, Iterable, Mapping, Optional
 
 from ..config.errors import ConfigError, Problem
+from ..config.packages import package_problems
 from ..config.schema import ShardwiseConfig
 from ..config.validate import batch_triple, config_problems, unavailable_problems
 from .cluster import Cluster
@@ -155,10 +156,10 @@ def layout_for(config: ShardwiseConfig, cluster: Cluster) -> Layout:
 
 def validate(data: Mapping[str, Any], cluster: Cluster, found: Iterable[Problem] = ()) -> tuple[ShardwiseConfig, Layout]:
     """The one validation `init`, `check-config` and `run` share: unknown keys, field types, rules, features this
-    release lacks and the layout on `cluster`, raised as one ConfigError together with the problems the
-    caller `found` in the sources. The layout is computed from the well-typed keys."""
+    release lacks, the packages the metrics sinks need and the layout on `cluster`, raised as one ConfigError
+    together with the problems the caller `found` in the sources. The layout is computed from the well-typed keys."""
     config, problems = config_problems(data)
-    problems = [*found, *problems, *unavailable_problems(config)]
+    problems = [*found, *problems, *unavailable_problems(config), *package_problems(config)]
     layout, more = layout_problems(config, cluster)
     problems += more
     if layout:  # DeepSpeed's batch sizes need the data-parallel degree
