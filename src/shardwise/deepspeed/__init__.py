@@ -30,6 +30,9 @@ _EXPORTS = {
     "PipelineEngine": "pipeline_engine",
     "PipelineModule": "pipe",
     "get_accelerator": "accelerator",
+    "log_dist": "utils",
+    "logger": "utils",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT": "initialize",
 }
 # DeepSpeed's submodules that scripts reach as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`).
 _SUBMODULES = {"comm", "zero", "pipe", "utils", "runtime", "accelerator", "ops", "checkpointing"}

@@ -68,6 +68,14 @@ class DeepSpeedEngine(nn.Module):
     resharding) under DeepSpeed's calls and `latest` tag file.
     """
 
+    optimizer: Optional[DistributedOptimizer]
+    lr_scheduler: Any
+    training_dataloader: Any
+    global_steps: int  # optimizer steps, skipped ones included
+    global_samples: int
+    micro_steps: int
+    skipped_steps: int
+
     def __init__(self, model: DistributedModel, optimizer: Optional[DistributedOptimizer], lr_scheduler: Any,
                  settings: EngineSettings, collate_fn: Optional[Callable] = None):
         super().__init__()

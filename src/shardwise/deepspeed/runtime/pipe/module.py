@@ -1,0 +1,5 @@
+"""`deepspeed.runtime.pipe.module`."""
+
+from ...pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]

@@ -1,0 +1,5 @@
+"""`deepspeed.runtime.pipe.topology`."""
+
+from ...pipe import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+
+__all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "ProcessTopology"]
