@@ -153,6 +153,7 @@ class StageModule(nn.Module):
         self._blocks = list(_block_list(view, part.blocks))
         self._received: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
+        self._forwarding = False  # inside this stage's forward (not a checkpointed region's recomputation)
         self._template: tuple[Any, list[Any]] | None = None
         self.precision: Callable[[], ContextManager] = contextlib.nullcontext
 
@@ -171,17 +172,20 @@ class StageModule(nn.Module):
         return args, {**kwargs, "hidden_states": self._received}
 
     def _keep(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._forwarding:  # a checkpointed region recomputing the block in backward: nothing to send
+            return
         self._sent = output[0] if isinstance(output, (tuple, list)) else output
 
     def forward(self, *received: torch.Tensor, **inputs: Any) -> Any:
         self._received = received[0] if received else None
         if not self.is_last:
             inputs.pop("labels", None)
+        self._forwarding = True
         try:
             with self.precision():
                 outputs = self.module(**inputs)
         finally:
-            self._received = None
+            self._received, self._forwarding = None, False
         if not self.is_last:
             sent, self._sent = self._sent, None
             if sent is None:
