@@ -52,8 +52,7 @@ class Param:
         else:
             if not (_is_number(value) and (self.kind == "number" or float(value).is_integer())):
                 what = "a whole number" if self.kind == "int" else "a number"
-                hint = (" (YAML reads 1e-3 without a dot as text: write 1.0e-3)"
-                        if isinstance(value, str) and _looks_numeric(value) else "")
+                hint = _text_number_hint(value) if isinstance(value, str) and _looks_numeric(value) else ""
                 return f"must be {what}", f"write {what}{hint}"
             if self._out_of_range(value):
                 return f"must be {self._range()}", f"use a value {self._range()}"
@@ -72,6 +71,12 @@ class Param:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text_number_hint(text: str) -> str:
+    if "e" in text.lower() and "." not in text:
+        return f" (YAML reads {text} without a dot as text: write e.g. {float(text):.1e})"
+    return ", without quotes"
 
 
 def _looks_numeric(text: str) -> bool:
@@ -93,7 +98,7 @@ _ADAM = {"lr": _RATE, "betas": _BETAS, "eps": _RATE, "weight_decay": _RATE, "ams
 # shardwise.optimizers.
 OPTIMIZERS: dict[str, dict[str, Param]] = {
     "Adam": {**_ADAM, "adam_w_mode": _FLAG},
-    "AdamW": dict(_ADAM),
+    "AdamW": {**_ADAM, "adam_w_mode": _FLAG},  # DeepSpeed takes it for AdamW too, which decouples either way
     "Lamb": {"lr": _RATE, "bias_correction": _FLAG, "betas": _BETAS, "eps": _RATE, "weight_decay": _RATE,
              "eps_inside_sqrt": _FLAG, "max_coeff": Param("number", low=0), "min_coeff": Param("number", low=0),
              "amsgrad": Param("bool", only=False, why="LAMB has no AMSGrad variant (DeepSpeed's FusedLamb refuses "
@@ -105,13 +110,13 @@ OPTIMIZERS: dict[str, dict[str, Param]] = {
 }
 # DeepSpeed's own names, matched without case (its config lower-cases them); torch.optim's keep their case.
 _DEEPSPEED_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "adagrad": "Adagrad"}
-_COMPRESSED = ("compresses the gradients it communicates to 1 bit with error feedback, a different algorithm from "
-               "{base} on the same data; shardwise reduces gradients uncompressed")
-# DeepSpeed optimizers shardwise does not build, and why.
+_COMPRESSED = ("DeepSpeed's {name}, which compresses the gradients it communicates to 1 bit with error feedback: a "
+               "different algorithm from {base} on the same data; shardwise reduces gradients uncompressed")
+# DeepSpeed optimizers shardwise does not build: what they are, and what to use instead.
 REFUSED_OPTIMIZERS = {
-    "onebitadam": (_COMPRESSED.format(base="Adam"), "Adam"),
-    "zerooneadam": (_COMPRESSED.format(base="Adam") + " (0/1 Adam also skips variance updates and syncs)", "Adam"),
-    "onebitlamb": (_COMPRESSED.format(base="LAMB"), "Lamb"),
+    "onebitadam": (_COMPRESSED.format(name="1-bit Adam", base="Adam"), "Adam"),
+    "zerooneadam": (_COMPRESSED.format(name="0/1 Adam", base="Adam"), "Adam"),
+    "onebitlamb": (_COMPRESSED.format(name="1-bit LAMB", base="LAMB"), "Lamb"),
     "lion": ("DeepSpeed's FusedLion; torch has no Lion and shardwise builds none", None),
     "muon": ("DeepSpeed's Muon, with an Adam for the parameters Muon does not take; shardwise builds neither", None),
     "muadam": ("the mup package's μP Adam", None), "muadamw": ("the mup package's μP AdamW", None),

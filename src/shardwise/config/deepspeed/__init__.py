@@ -22,7 +22,7 @@ from ..distribution import Distribution
 from ..errors import ConfigError
 from ..schema import field_names
 from .auto import auto_keys, auto_problem, without_auto
-from .keys import ALWAYS, DIFFERENTLY, NOT_HONOURED, REMOVED, TOP_LEVEL
+from .keys import ALWAYS, CHOICES, DIFFERENTLY, NOT_HONOURED, REMOVED, TOP_LEVEL
 from .sections import SECTIONS, VALUES
 from .translation import Translation, switched_off
 from .zero import translate_zero
@@ -51,7 +51,10 @@ def translate(data: Mapping[str, Any]) -> Translation:
         data = without_auto(data, auto)
     own = set(field_names())
     for key, value in data.items():
-        if key == "zero_optimization":
+        if key in CHOICES and value is not None and str(value).lower() not in CHOICES[key]:
+            t.problem(key, value, f"is not one DeepSpeed accepts: {', '.join(CHOICES[key])}",
+                      f"use one of {', '.join(CHOICES[key])}")
+        elif key == "zero_optimization":
             translate_zero(t, value)
         elif key in SECTIONS and isinstance(value, Mapping):
             SECTIONS[key](t, value)
@@ -60,8 +63,7 @@ def translate(data: Mapping[str, Any]) -> Translation:
         elif key in VALUES:
             VALUES[key](t, value, key)
         elif key in ALWAYS:
-            t.always(key, value.lower() if key == "communication_data_type" and isinstance(value, str) else value,
-                     *ALWAYS[key])
+            t.always(key, value.lower() if key in CHOICES and isinstance(value, str) else value, *ALWAYS[key])
         elif key in DIFFERENTLY:
             t.note(key, DIFFERENTLY[key])
         elif key in REMOVED:

@@ -95,6 +95,11 @@ REMOVED = {
 
 TOP_LEVEL = (*TRANSLATED, *ALWAYS, *DIFFERENTLY, *NOT_HONOURED, *REMOVED)
 
+# The values DeepSpeed accepts for some of these (in any case); it refuses others.
+CHOICES = {"communication_data_type": ("fp16", "bf16", "fp32"),
+           "seq_parallel_communication_data_type": ("fp16", "bf16", "fp32"),
+           "gradient_allreduce_op": ("mean", "sum")}
+
 # Keys of the sections DeepSpeed validates strictly (its pydantic models forbid others).
 FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")

@@ -27,9 +27,7 @@ _ALWAYS_TRUE = {"overlap_comm": _FSDP2, "contiguous_gradients": _FSDP2, "reduce_
                 "allgather_partitions": _FSDP2, "use_multi_rank_bucket_allreduce": _UNITS,
                 "load_from_fp32_weights": "checkpoints keep the fp32 master weights and load them",
                 "compute_grad_norm": "the gradient norm is computed whenever the step clips or records it",
-                "ignore_unused_parameters": "a parameter without a gradient is left as it is, as in one process",
-                "memory_efficient_linear": "FSDP2 frees gathered parameters after each unit's forward; linears "
-                                           "need no special version"}
+                "ignore_unused_parameters": "a parameter without a gradient is left as it is, as in one process"}
 # Keys off in shardwise: listed only when true.
 _ALWAYS_FALSE = {"legacy_stage1": "shardwise's ZeRO-1 is its own",
                  "round_robin_gradients": "FSDP2 copies gradient shards to the host per sharding unit",
@@ -47,6 +45,8 @@ _KNOBS = {**{key: _UNITS for key in (
     "model_persistence_threshold", "max_live_parameters", "max_reuse_distance", "module_granularity_threshold",
     "use_all_reduce_for_fetch_params", "allgather_sequential")},
     "sub_group_size": "the optimizer steps each rank's shards whole",
+    "memory_efficient_linear": "FSDP2 frees each unit's gathered parameters after its forward and gathers them again "
+                               "for backward, whichever linear the model uses",
     "override_module_apply": "FSDP2 gathers a unit's parameters for its forward, not for nn.Module.apply",
     "leaf_module": "FSDP2's units are the model's blocks (or auto_wrap_min_params)",
     "zenflow": "ZenFlow's stall-free offloading is not built; offload_optimizer_state steps on the host each step",
@@ -124,7 +124,7 @@ def _offload(t: Translation, section: Mapping[str, Any], stage: Any) -> None:
     optimizer, param = section.get("offload_optimizer"), section.get("offload_param")
     legacy_param = next((k for k in ("cpu_offload_param", "cpu_offload_params") if k in section), None)
     for old, new, given in (("cpu_offload", "offload_optimizer", optimizer), (legacy_param, "offload_param", param)):
-        if old and given is not None:
+        if old in section and given is not None:
             t.problem(f"{name}.{old}", section[old], f"is the old spelling of {new}, which is given too (DeepSpeed "
                       "refuses both together)", f"keep {new} only")
     for key in ("cpu_offload", legacy_param, "cpu_offload_use_pin_memory"):
