@@ -184,7 +184,7 @@ def test_two_engines_in_one_script_train_as_one_process(stage):
 
 
 def _save_then_resume(save_config: dict, load_config: dict, micro_save: int, micro_load: int, tmp: str,
-                      resume: bool) -> dict:
+                      resume: str | None) -> dict:
     """Train 2 steps and save (tag default, client state), then in a fresh engine of `load_config` load the
     latest and train 2 more on the batches after the saved ones (the script skips them itself, as DeepSpeed
     scripts do)."""
@@ -201,10 +201,10 @@ def _save_then_resume(save_config: dict, load_config: dict, micro_save: int, mic
             engine.backward(loss)
             engine.step()
             first["losses"].append(loss.item())
-        assert engine.save_checkpoint(f"{tmp}/ckpt", client_state={"epoch": 7, "note": "mid-epoch"})
+        assert engine.save_checkpoint(f"{tmp}/ckpt", client_sd={"epoch": 7, "note": "mid-epoch"})  # the seed's name
         return first
     engine, _, loader, _ = _initialize("config", load_config, micro_load, tmp)
-    path, client = engine.load_checkpoint(f"{tmp}/ckpt")
+    path, client = engine.load_checkpoint(f"{tmp}/ckpt", ckpt_id="global_step2" if resume == "by id" else None)
     losses = []
     batches = iter(loader)
     for _ in range(engine.global_steps * GAS):  # the samples the saved steps consumed
@@ -227,11 +227,11 @@ def test_checkpoint_resumes_in_another_layout_with_client_state(references, tmp_
     tmp = str(tmp_path)
     long_config = dict(BASE, zero_optimization={"stage": 3})
     want = run_distributed(train, 1, "config", BASE, 2 * MICRO, tmp, 4)[0]
-    run_distributed(_save_then_resume, 2, long_config, None, MICRO, None, tmp, False)
+    run_distributed(_save_then_resume, 2, long_config, None, MICRO, None, tmp, None)
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
-    for world, stage, micro in ((2, 1, MICRO), (1, 0, 2 * MICRO)):
+    for world, stage, micro, resume in ((2, 1, MICRO, "latest"), (1, 0, 2 * MICRO, "by id")):
         ranks = run_distributed(_save_then_resume, world, None, dict(BASE, zero_optimization={"stage": stage}),
-                                None, micro, tmp, True)
+                                None, micro, tmp, resume)
         got = ranks[0]
         assert got["path"].endswith("ckpt/global_step2") and got["client"] == {"epoch": 7, "note": "mid-epoch"}
         assert got["global_steps"] == 4 and got["missing"] == (None, None)

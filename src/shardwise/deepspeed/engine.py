@@ -53,7 +53,7 @@ class EngineSettings:
             raise ValueError("deepspeed.initialize: the config sets neither train_batch_size nor "
                              "train_micro_batch_size_per_gpu; set one of them, as DeepSpeed requires")
         return cls(gradient_accumulation_steps=config.microbatches, train_micro_batch_size_per_gpu=micro,
-                   train_batch_size=config.train_batch_size, steps_per_print=data.get("steps_per_print"),
+                   train_batch_size=config.train_batch_size, steps_per_print=config.steps_per_print,
                    dataloader_drop_last=bool(data.get("dataloader_drop_last", False)), fp16=config.fp16,
                    bf16=config.bf16, zero_stage=config.effective_zero_stage,
                    gradient_clipping=float(config.gradient_clipping or 0.0))

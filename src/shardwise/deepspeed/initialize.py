@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -60,7 +61,13 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     CUDA, gloo on CPU). MPI discovery is not attempted: start the ranks with `shardwise run` or torchrun."""
     if dist.is_initialized() or dist_init_required is False:
         return
-    backend = dist_backend or backend_for(local_device(int(os.environ.get("LOCAL_RANK", 0))))
+    backend = backend_for(local_device(int(os.environ.get("LOCAL_RANK", 0))))
+    if dist_backend is not None and dist_backend != backend:
+        if dist.is_backend_available(dist_backend):
+            backend = dist_backend
+        else:
+            warnings.warn(f"deepspeed.init_distributed(dist_backend={dist_backend!r}): that backend is not "
+                          f"available here; using {backend!r}, this device's", stacklevel=2)
     if init_method is None and _one_process_world():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
