@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -405,3 +406,12 @@ def test_public_configs_deepspeed_would_not_run_are_refused(name):
         validate(load_dict(str(CONFIGS / name)), Cluster(2, 4))
     for part in REFUSED[name]:
         assert part in str(error.value)
+
+
+def test_the_guide_has_a_row_for_every_key():
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "deepspeed.md").read_text()
+    section = guide[guide.index("## Config keys"):guide.index("## Running a DeepSpeed script")]
+    named = {name for line in section.splitlines() if line.startswith("| `")
+             for name in re.findall(r"`([^`]+)`", line.split(" | ")[0])}
+    assert set(TOP_LEVEL) - named == set()
+    assert {f"zero_optimization.{key}" for key in ZERO_KEYS} - named == set()
