@@ -332,3 +332,21 @@ def _misuse(case: str, tmp: str) -> str:
 def test_misuse_is_a_one_line_error(case, message, tmp_path):
     error = run_distributed(_misuse, 1, case, str(tmp_path))[0]
     assert message in error and "\n" not in error.strip(), error
+
+
+def _monitored(tmp: str) -> None:
+    config = dict(BASE, steps_per_print=2000, csv_monitor={"enabled": True, "output_path": tmp, "job_name": "run"})
+    train("config", config, MICRO, tmp)
+    import shardwise as sw
+
+    sw.shutdown()  # closes the sinks
+
+
+def test_monitors_record_every_step_whatever_steps_per_print(tmp_path):
+    """steps_per_print throttles the console line only: the csv monitor has a row per optimizer step, with the
+    step's mean loss and its global samples."""
+    run_distributed(_monitored, 2, str(tmp_path))
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    header, records = rows[0].split(","), [dict(zip(rows[0].split(","), row.split(","))) for row in rows[1:]]
+    assert "loss" in header and len(records) == STEPS
+    assert all(int(record["samples"]) == GAS * MICRO * 2 and float(record["loss"]) > 0 for record in records)

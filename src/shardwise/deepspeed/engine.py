@@ -207,8 +207,10 @@ class DeepSpeedEngine(nn.Module):
     # ----- forward, backward, step -----
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training and torch.is_grad_enabled() and self._micro_step is None:
-            self._open_micro_step()
+        if self.training and torch.is_grad_enabled():
+            if self._micro_step is None:
+                self._open_micro_step()
+            recorder_for(self._runtime).batch_trained(args, kwargs)
         return self._model(*args, **kwargs)
 
     def _open_micro_step(self) -> None:

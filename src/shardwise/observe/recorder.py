@@ -116,9 +116,7 @@ class Recorder:
             yield
             return
         if torch.is_grad_enabled():  # an evaluation step's batch is no training sample
-            rows, tokens = _batch_shape(args, kwargs)
-            self.rows += rows
-            self.tokens = None if tokens is None or self.tokens is None else self.tokens + tokens
+            self.batch_trained(args, kwargs)
         start = self._now(runtime.device)
         with contextlib.ExitStack() as stack:
             if self.recording and self.breakdown:
@@ -129,6 +127,13 @@ class Recorder:
                 stack.enter_context(self.flops.counting())
             yield
         self.clock.add("step", start, self._now(runtime.device))
+
+    def batch_trained(self, args: tuple, kwargs: dict) -> None:
+        """Count a training batch's samples and tokens (a @step call's, or a DeepSpeed engine's micro-step)."""
+        if self.interval:
+            rows, tokens = _batch_shape(args, kwargs)
+            self.rows += rows
+            self.tokens = None if tokens is None or self.tokens is None else self.tokens + tokens
 
     @contextlib.contextmanager
     def _forward_hooks(self, model: Any, device: torch.device) -> Iterator[None]:
