@@ -350,3 +350,44 @@ def test_monitors_record_every_step_whatever_steps_per_print(tmp_path):
     header, records = rows[0].split(","), [dict(zip(rows[0].split(","), row.split(","))) for row in rows[1:]]
     assert "loss" in header and len(records) == STEPS
     assert all(int(record["samples"]) == GAS * MICRO * 2 and float(record["loss"]) > 0 for record in records)
+
+
+def _layout_of(config: dict, micro: int, tmp: str) -> dict:
+    result = train("config", config, micro, tmp)
+    import shardwise as sw
+    from shardwise.runtime.state import current
+
+    layout = current().layout
+    return {**result, "groups": (layout.dp_replicate, layout.dp_shard), "ranks": sw.size()}
+
+
+def test_mics_shard_size_trains_as_one_process_in_partition_groups(references, tmp_path):
+    """DeepSpeed's MiCS key: ZeRO-3 inside partition groups of mics_shard_size ranks, replicas across them."""
+    config = dict(BASE, zero_optimization={"stage": 3, "mics_shard_size": 2})
+    ranks = run_distributed(_layout_of, 4, config, MICRO // 2, str(tmp_path))
+    assert ranks[0]["groups"] == (2, 2)
+    _assert_same(ranks, references["config"])
+
+
+def _comm_and_accelerator() -> dict:
+    import shardwise.deepspeed as deepspeed
+    from shardwise.deepspeed import comm as dist
+    from shardwise.deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed()
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    dist.barrier()
+    accelerator = get_accelerator()
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "local": dist.get_local_rank(),
+            "sum": value.item(), "device": accelerator.device_name(), "backend": accelerator.communication_backend_name(),
+            "current": accelerator.current_device_name()}
+
+
+def test_comm_and_accelerator_answer_as_deepspeed_does():
+    ranks = run_distributed(_comm_and_accelerator, 2)
+    expected_type = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+    for rank, got in enumerate(ranks):
+        assert (got["rank"], got["world"], got["local"], got["sum"]) == (rank, 2, rank, 3.0)
+        assert got["device"] == expected_type and got["current"].startswith(expected_type)
+        assert got["backend"] == ("gloo" if expected_type == "cpu" else got["backend"])
