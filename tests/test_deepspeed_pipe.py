@@ -34,6 +34,9 @@ import shardwise as sw
 from shardwise.deepspeed.pipe import (LayerSpec, PipeDataParallelTopology, PipeModelDataParallelTopology,
                                       PipelineModule, ProcessTopology, TiedLayerSpec, partition_balanced,
                                       partition_uniform)
+from shardwise.parallel.materialize import materialize
+from shardwise.parallel.pipeline import partition as cut
+from shardwise.parallel.pipeline.stage import StageModule, stage_view
 from shardwise.testing import run_distributed
 from tiny_models import make_optimizer, relative_error
 
@@ -73,26 +76,46 @@ def tied_layers() -> list:
             TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN, forward_fn=lambda emb, x: x @ emb.weight.t())]
 
 
+class MaskedBlock(nn.Module):
+    """Takes and returns (hidden, mask), as Megatron's pipeline layers pass an attention mask along."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, mask = pair
+        return x + torch.tanh(self.fc(x)) * mask, mask
+
+
+def pair_layers() -> list:
+    """A (hidden, mask) tuple from layer 1 to layer 4, so across the stages ('parameters' cuts after layer 2:
+    144, 0, 272 | 272, 0, 68). The mask is a float tensor no gradient flows into."""
+    return [LayerSpec(nn.Linear, IN, HIDDEN), lambda x: (x, (x.detach() > 0).float()), LayerSpec(MaskedBlock, HIDDEN),
+            LayerSpec(MaskedBlock, HIDDEN), lambda pair: pair[0], LayerSpec(nn.Linear, HIDDEN, OUT)]
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-KINDS = {"stack": (stack_layers, F.mse_loss), "tied": (tied_layers, lm_loss)}
+KINDS = {"stack": (stack_layers, F.mse_loss), "tied": (tied_layers, lm_loss), "pair": (pair_layers, F.mse_loss)}
 
 # DeepSpeed's boundaries for 2 stages, by hand. Stack, 'parameters': the split whose stages differ least is
 # after layer 2 (688 | 1156: 468 apart; after 3 or 4, 1232 | 612). 'uniform': 8 layers, 4 each.
 # 'type:block' weighs the Blocks (layers 2, 3, 5) 1: every cut from 3 to 5 leaves 1 | 2 or 2 | 1 apart, and
-# DeepSpeed's programme keeps the latest of equal cuts. Tied, 'parameters': 1056 | 1088.
+# DeepSpeed's programme keeps the latest of equal cuts. Tied, 'parameters': 1056 | 1088. Pair: 416 | 340.
 EXPECTED = {("stack", "parameters"): [0, 3, 8], ("stack", "uniform"): [0, 4, 8], ("stack", "type:block"): [0, 5, 8],
-            ("tied", "parameters"): [0, 2, 5]}
+            ("tied", "parameters"): [0, 2, 5], ("pair", "parameters"): [0, 3, 6]}
 
 
-def build_module(kind: str, num_stages: int, **options) -> PipelineModule:
-    """The PipelineModule of `kind`, every layer built from seed SEED (as on every rank)."""
+def build_module(kind: str, num_stages: int, delayed: bool = False, **options) -> PipelineModule:
+    """The PipelineModule of `kind`, every layer built from seed SEED (as on every rank); `delayed`: on the meta
+    device (as under sw.delay_param_initialization()), for DistributedModel to materialise each rank's stage."""
     layers, loss = KINDS[kind]
     torch.manual_seed(SEED)
-    with contextlib.redirect_stdout(io.StringIO()):  # the partition DeepSpeed prints
-        return PipelineModule(layers(), num_stages=num_stages, loss_fn=loss, **options)
+    with contextlib.redirect_stdout(io.StringIO()), torch.device("meta" if delayed else "cpu"):
+        return PipelineModule(layers(), num_stages=num_stages, loss_fn=loss, **options)  # prints the partition
 
 
 def dataset(kind: str, rows: int) -> TensorDataset:
@@ -106,6 +129,8 @@ def dataset(kind: str, rows: int) -> TensorDataset:
 def reference(kind: str, global_batch: int, steps: int = STEPS, **options) -> dict:
     """One plain process: the PipelineModule of one stage, `loss_fn(module(inputs), labels)`, SGD with momentum."""
     module = build_module(kind, 1, **options)
+    if options.get("delayed"):  # what DistributedModel does with a meta-built model, on one process
+        materialize(module, torch.device("cpu"), torch.initial_seed() % 2 ** 62)
     optimizer = make_optimizer("sgd", module.parameters())
     inputs, labels = dataset(kind, steps * global_batch).tensors
     losses = []
@@ -318,6 +343,21 @@ def test_on_one_process_the_layers_run_in_order_and_checkpointing_calls_the_give
     assert regions == [1, 1, 1]  # the three Blocks alone
 
 
+def test_seed_layers_seeds_each_layer_before_it_is_built():
+    """DeepSpeed's seed_layers: layer i is built right after seed_fn(base_seed + i) (torch.manual_seed by default)."""
+    seeds = []
+    module = build_module("stack", 1, seed_layers=True, base_seed=7)
+    seeded = build_module("stack", 1, seed_layers=True, base_seed=7, seed_fn=lambda seed: (seeds.append(seed),
+                                                                                            torch.manual_seed(seed)))
+    assert seeds == [7 + i for i in range(8)]
+    for index in (0, 2, 5, 7):  # the LayerSpecs
+        spec = stack_layers()[index]
+        torch.manual_seed(7 + index)
+        want = spec.build().state_dict()
+        for got in (module, seeded):
+            torch.testing.assert_close(got.layers[index].module.state_dict(), want, rtol=0, atol=0)
+
+
 # -- same math in real worlds --------------------------------------------------------------------------------
 
 # What a PipelineModule of 2 stages implies (`shardwise_config()`): DeepSpeed's rank order, pipe outermost.
@@ -340,14 +380,19 @@ def test_same_math_on_two_stages_times_two_replicas():
 
 
 def test_a_tied_embedding_spans_the_stages_and_trains_as_one_weight():
-    variants = [{}]
+    """Built as is, and on the meta device (each rank materialises its stage; stage 1's copy of the embedding
+    then takes stage 0's values)."""
+    variants = [{}, {"delayed": True}]
     ranks = run_distributed(train_pipe, 2, CONFIG, "tied", variants, timeout=300)
     assert ranks[0][0]["parts"] == EXPECTED["tied", "parameters"]
     assert [run[0]["held"] for run in ranks] == [[0, 1], [2, 3, 4]]  # the embedding's two uses on two stages
     check_same_math(CONFIG, ranks, "tied", variants)
+    weight = "layers.1.module.fc1.weight"
+    assert not torch.equal(ranks[0][0]["state"][weight], ranks[0][1]["state"][weight]), "delayed: other values"
     for run in ranks:  # the copies took the same steps: still one weight
-        torch.testing.assert_close(run[0]["state"]["layers.0.module.weight"], run[0]["state"]["layers.4.module.weight"],
-                                   rtol=0, atol=0)
+        for variant in run:
+            torch.testing.assert_close(variant["state"]["layers.0.module.weight"],
+                                       variant["state"]["layers.4.module.weight"], rtol=0, atol=0)
 
 
 def test_activation_checkpointing_recomputes_runs_of_layers():
@@ -364,6 +409,15 @@ def test_activation_checkpointing_recomputes_runs_of_layers():
         assert checkpointed["backwards"] == plain["backwards"] >= STEPS * MICROBATCHES
         extra = {i: checkpointed["calls"][i] - plain["calls"][i] for i in plain["calls"]}
         assert len(set(extra.values())) == 1 and min(extra.values()) >= plain["backwards"], extra
+
+
+def test_a_tuple_crosses_the_stages_whole():
+    """Stage 0's last layer returns (hidden, mask); stage 1's first layer gets the tuple, plain and in a
+    checkpointed region (interval 2: layers 3-4, then 5)."""
+    variants = [{}, {"activation_checkpoint_interval": 2}]
+    ranks = run_distributed(train_pipe, 2, CONFIG, "pair", variants, timeout=300)
+    assert ranks[0][0]["parts"] == EXPECTED["pair", "parameters"]
+    check_same_math(CONFIG, ranks, "pair", variants)
 
 
 # -- what is refused -----------------------------------------------------------------------------------------
@@ -435,6 +489,22 @@ def test_bad_layers_are_one_line_naming_the_fix(two_ranks, layers, error):
         with contextlib.redirect_stdout(io.StringIO()):
             PipelineModule(layers, num_stages=2)
     assert f"{info.typename}: {info.value}" == error
+
+
+def test_a_stage_sending_what_is_not_a_tensor_is_one_line_naming_the_fix(two_ranks):
+    """Stage 0 of uniform [0, 2, 4] ends with a layer returning (hidden, None), as the core's stage runs it."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        module = PipelineModule([nn.Linear(IN, HIDDEN), lambda x: (x, None), lambda pair: pair[0],
+                                 nn.Linear(HIDDEN, OUT)], num_stages=2, partition_method="uniform")
+    part = cut(module, 2)
+    assert part.bounds == ((0, 2), (2, 4)) and part.how == "placed by hand"
+    stage = StageModule(stage_view(module, part, 0), part, 0)
+    stage.install_hooks()
+    with pytest.raises(TypeError) as info:
+        stage(forward_input=torch.randn(2, IN))
+    assert str(info.value) == ("pipeline stage 0 sends its last block's output (Tensor, NoneType) to stage 1, and only "
+                               "tensors pass between stages; fix: return tensors only from the block, rebuilding the "
+                               "rest on the next stage")
 
 
 def test_on_one_process_two_stages_is_one_line_naming_the_fix():

@@ -32,8 +32,8 @@ What DeepSpeed does and shardwise does otherwise:
   called as DeepSpeed calls it, `func(function, *inputs)`; the default is
   shardwise's checkpoint (`checkpoint` below: torch's non-reentrant one, with
   shardwise's activation offloading), not DeepSpeed's reentrant one.
-- Values passed from one stage to the next must be one tensor: the core's cut sends
-  a block's output tensor (a tuple between two layers of one stage is fine).
+- What a stage's last layer returns goes to the next stage's first layer whole, a
+  tensor or a tuple of tensors (as DeepSpeed sends it); other values cannot cross.
 - `dynamic_shape` is accepted and changes nothing: torch's schedule learns the
   shapes stages send at the first step.
 - Not provided: `mpu()` (DeepSpeed's PipelineParallelGrid; shardwise's mesh holds
@@ -55,6 +55,7 @@ from torch import nn
 
 from ...parallel.checkpointing import checkpointed
 from ...parallel.pipeline.placement import set_partition
+from ...parallel.pipeline.stage import SENDS_WHOLE_OUTPUT
 from .partition import method_weights, partition_layers
 from .spec import LayerSpec, TiedLayerSpec
 from .topology import PipeDataParallelTopology, ProcessTopology, layout_problem
@@ -103,6 +104,10 @@ class PipelineModuleLayer(nn.Module):
         if self.function is not None:
             return f"{self.index}: {self.name}"
         return f"{self.index}" + (f", tied {self.tied!r}" if self.tied is not None else "")
+
+
+# A stage's last layer sends the next stage its whole output, a tuple of tensors too, as DeepSpeed's stages do.
+setattr(PipelineModuleLayer, SENDS_WHOLE_OUTPUT, True)
 
 
 def _world() -> tuple[int, int]:

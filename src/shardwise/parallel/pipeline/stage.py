@@ -15,6 +15,12 @@ hooks make it a stage:
   stand-ins whose outputs cost no memory (a `labels` input is not passed there,
   so a Hugging Face model computes its loss on the last stage only).
 
+Of a block returning a tuple, only the first element is sent (a Hugging Face
+block's hidden states), unless the block's class sets `SENDS_WHOLE_OUTPUT`
+(`shardwise.deepspeed.pipe`'s layers, which pass tuples of tensors from layer
+to layer as DeepSpeed's do): then the whole tuple is sent, and the next stage's
+first block receives it as one tuple argument.
+
 The forward is never cut short by an exception, so every module's forward
 hooks run in pairs, as FSDP's and torch's memory and FLOP trackers expect.
 
@@ -139,6 +145,7 @@ def stage_view(model: nn.Module, part: Partition, stage: int) -> nn.Module:
 
 
 _TENSOR = object()  # marks where a tensor goes back into the last stage's output structure
+SENDS_WHOLE_OUTPUT = "_pipeline_sends_whole_output"  # a block class attribute: send its whole output (a tuple)
 
 
 class StageModule(nn.Module):
@@ -174,10 +181,12 @@ class StageModule(nn.Module):
     def _keep(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not self._forwarding:  # a checkpointed region recomputing the block in backward: nothing to send
             return
-        self._sent = output[0] if isinstance(output, (tuple, list)) else output
+        whole = getattr(module, SENDS_WHOLE_OUTPUT, False)
+        self._sent = output[0] if isinstance(output, (tuple, list)) and not whole else output
 
     def forward(self, *received: torch.Tensor, **inputs: Any) -> Any:
-        self._received = received[0] if received else None
+        # Several tensors received: a block that sends its whole output sent a tuple (see SENDS_WHOLE_OUTPUT).
+        self._received = (received[0] if len(received) == 1 else received) if received else None
         if not self.is_last:
             inputs.pop("labels", None)
         self._forwarding = True
@@ -191,7 +200,12 @@ class StageModule(nn.Module):
             if sent is None:
                 raise RuntimeError(f"pipeline stage {self.index}: the model's forward did not call its last block "
                                    f"({type(self._blocks[-1]).__name__}); the blocks must run in order, every one")
-            return sent
+            if isinstance(sent, (tuple, list)) and not all(isinstance(t, torch.Tensor) for t in sent):
+                kinds = ", ".join(type(t).__name__ for t in sent)
+                raise TypeError(f"pipeline stage {self.index} sends its last block's output ({kinds}) to stage "
+                                f"{self.index + 1}, and only tensors pass between stages; fix: return tensors only "
+                                "from the block, rebuilding the rest on the next stage")
+            return tuple(sent) if isinstance(sent, list) else sent
         leaves, spec = tree_flatten(outputs)
         self._template = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
         tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
