@@ -118,6 +118,10 @@ def test_auto_precision_turns_nothing_on():
     assert "cannot both be on" not in str(error)
     t = translate({"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}})
     assert "fp16" not in t.config and "bf16" not in t.config
+    # bf16 as DeepSpeed 0.19 has it: a step with inf/nan gradients is skipped (check_grad_overflow, default true)
+    assert translate({"bf16": {"enabled": True}}).config == {"bf16": True, "non_finite_gradients": "skip"}
+    assert translate({"bf16": {"enabled": True, "check_grad_overflow": False}}).config == {"bf16": True}
+    assert translate({"bf16": {"enabled": True}, "non_finite_gradients": "stop"}).config["non_finite_gradients"] == "stop"
 
 
 # 4. Optimizer and scheduler values
@@ -216,6 +220,11 @@ def test_truly_unknown_keys_are_errors_with_the_closest_name():
     assert "tensorbaord={'enabled': True}: unknown key" in error and "did you mean 'tensorboard'?" in error
     assert ("zero_optimization.stage3_prefetch_bucket_siz=500000000.0: unknown key: DeepSpeed reads no such key in "
             "zero_optimization; fix: did you mean 'stage3_prefetch_bucket_size'?") in error
+    # values DeepSpeed refuses, and one that would change the update
+    assert "communication_data_type='bfp16': is not one DeepSpeed accepts: fp16, bf16, fp32" in str(
+        _error({"train_batch_size": 8, "communication_data_type": "bfp16"}))
+    assert ("gradient_allreduce_op='sum': sums gradients over the data-parallel ranks, and shardwise averages them "
+            "(a different update)") in str(_error({"train_batch_size": 8, "gradient_allreduce_op": "sum"}))
 
 
 def test_the_key_lists_hold_every_key_of_deepspeeds_own_configs():

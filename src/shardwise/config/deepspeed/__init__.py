@@ -22,7 +22,7 @@ from ..distribution import Distribution
 from ..errors import ConfigError
 from ..schema import field_names
 from .auto import auto_keys, auto_problem, without_auto
-from .keys import ALWAYS, CHOICES, DIFFERENTLY, NOT_HONOURED, REMOVED, TOP_LEVEL
+from .keys import ALWAYS, CHOICES, DIFFERENTLY, NOT_HONOURED, REFUSED_VALUES, REMOVED, TOP_LEVEL
 from .sections import SECTIONS, VALUES
 from .translation import Translation, switched_off
 from .zero import translate_zero
@@ -54,6 +54,8 @@ def translate(data: Mapping[str, Any]) -> Translation:
         if key in CHOICES and value is not None and str(value).lower() not in CHOICES[key]:
             t.problem(key, value, f"is not one DeepSpeed accepts: {', '.join(CHOICES[key])}",
                       f"use one of {', '.join(CHOICES[key])}")
+        elif (key, str(value).lower()) in REFUSED_VALUES:
+            t.problem(key, value, *REFUSED_VALUES[key, str(value).lower()])
         elif key == "zero_optimization":
             translate_zero(t, value)
         elif key in SECTIONS and isinstance(value, Mapping):

@@ -99,6 +99,10 @@ TOP_LEVEL = (*TRANSLATED, *ALWAYS, *DIFFERENTLY, *NOT_HONOURED, *REMOVED)
 CHOICES = {"communication_data_type": ("fp16", "bf16", "fp32"),
            "seq_parallel_communication_data_type": ("fp16", "bf16", "fp32"),
            "gradient_allreduce_op": ("mean", "sum")}
+# Values that would train another model than DeepSpeed's if listed and run: refused, with the fix.
+REFUSED_VALUES = {("gradient_allreduce_op", "sum"): (
+    "sums gradients over the data-parallel ranks, and shardwise averages them (a different update)",
+    "use mean, and scale the learning rate by the data-parallel degree if the summed update is wanted")}
 
 # Keys of the sections DeepSpeed validates strictly (its pydantic models forbid others).
 FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",

@@ -41,7 +41,7 @@ def _bf16(name: str) -> Section:
         t.set("bf16", True, f"{name}.enabled")
         # DeepSpeed 0.19's bf16 skips a step whose gradients hold inf/nan unless check_grad_overflow is false
         check = section.get("check_grad_overflow", section.get("check_overflow", True))
-        if enabled(check):
+        if enabled(check) and "non_finite_gradients" not in t.config:  # the config's own key wins
             t.set("non_finite_gradients", "skip", f"{name}.check_grad_overflow (DeepSpeed's default true)"
                   if "check_grad_overflow" not in section else f"{name}.check_grad_overflow")
         rest(t, name, section, ("enabled", "check_grad_overflow", "check_overflow"),
