@@ -35,6 +35,7 @@ from shardwise.deepspeed.pipe import (LayerSpec, PipeDataParallelTopology, PipeM
                                       PipelineModule, ProcessTopology, TiedLayerSpec, partition_balanced,
                                       partition_uniform)
 from shardwise.parallel.materialize import materialize
+from shardwise.parallel.pipeline import find_blocks
 from shardwise.parallel.pipeline import partition as cut
 from shardwise.parallel.pipeline.stage import StageModule, stage_view
 from shardwise.testing import run_distributed
@@ -306,8 +307,9 @@ def test_the_topologies_are_deepspeeds():
     assert topo.filter_match(pipe=0, data=1) == [2, 3] and topo.get_axis_list("data", 0) == [0, 1, 4, 5]
     assert topo.get_rank_repr(3) == "model_01" and topo.get_dim("data") == 2 and topo.get_dim("sequence") == 0
     ds = pytest.importorskip("deepspeed.runtime.pipe.topology")
-    for ours, theirs in ((PipeDataParallelTopology(num_pp=2, num_dp=3), ds.PipeDataParallelTopology(num_pp=2, num_dp=3)),
-                         (topo, ds.PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2))):
+    pairs = ((PipeDataParallelTopology(num_pp=2, num_dp=3), ds.PipeDataParallelTopology(num_pp=2, num_dp=3)),
+             (topo, ds.PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)))
+    for ours, theirs in pairs:
         assert {tuple(c): r for c, r in ours.mapping.items()} == {tuple(c): r for c, r in theirs.mapping.items()}
         for axis in ours.get_axis_names():
             assert ours.get_axis_comm_lists(axis) == theirs.get_axis_comm_lists(axis)
@@ -505,6 +507,21 @@ def test_a_stage_sending_what_is_not_a_tensor_is_one_line_naming_the_fix(two_ran
     assert str(info.value) == ("pipeline stage 0 sends its last block's output (Tensor, NoneType) to stage 1, and only "
                                "tensors pass between stages; fix: return tensors only from the block, rebuilding the "
                                "rest on the next stage")
+
+
+def test_a_loss_module_with_parameters_goes_with_the_last_stage(two_ranks):
+    class ScaledMSE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, outputs, labels):
+            return self.scale * F.mse_loss(outputs, labels)
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        module = PipelineModule(stack_layers(), num_stages=2, loss_fn=ScaledMSE())
+    blocks = find_blocks(module)
+    assert (blocks.path, blocks.before, blocks.after) == ("layers", (), ("loss_fn",))
 
 
 def test_on_one_process_two_stages_is_one_line_naming_the_fix():

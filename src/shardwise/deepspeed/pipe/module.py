@@ -163,8 +163,9 @@ class PipelineModule(nn.Module):
         if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
             raise TypeError("PipelineModule: checkpointable_layers must be a list of layer class names, got "
                             f"{type(checkpointable_layers).__name__}; fix: pass a list, or None")
+        self.set_checkpoint_interval(activation_checkpoint_interval)
+        self.activation_checkpoint_func = activation_checkpoint_func
         self.micro_offset = 0
-        self.loss_fn = loss_fn
         self.checkpointable_layers = checkpointable_layers
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.dynamic_shape = dynamic_shape
@@ -184,14 +185,13 @@ class PipelineModule(nn.Module):
             print(f"SEED_LAYERS={seed_layers} BASE_SEED={base_seed} SEED_FN={seed_name}", flush=True)
         self.tied_weight_attrs: dict[Any, list[str]] = {}
         self.layers = nn.ModuleList(self._build(specs))
+        # After the layers: a loss module holding parameters is then what the core's cut keeps on the last stage.
+        self.loss_fn = loss_fn
         self.parts = self._partition(specs, partition_method)
         for layer in self.layers:
             set_partition(layer, self.stage_owner(layer.index))  # the core cuts here (placement by hand)
         if self.global_rank == 0:
             self._print_partition(partition_method)
-        self.activation_checkpoint_func = activation_checkpoint_func
-        self.activation_checkpoint_interval = 0
-        self.set_checkpoint_interval(activation_checkpoint_interval)
 
     # -- construction ------------------------------------------------------------------------------------
 
@@ -267,7 +267,8 @@ class PipelineModule(nn.Module):
             if not isinstance(_tied_attr(module, attr), torch.Tensor):
                 names = ", ".join(name for name, _ in module.named_parameters())
                 raise ValueError(f"PipelineModule: TiedLayerSpec {spec.key!r}: tied_weight_attr {attr!r} names no "
-                                 f"weight of {spec.typename.__name__} (it has {names or 'none'}); fix: name one of those")
+                                 f"weight of {spec.typename.__name__} (it has {names or 'none'}); "
+                                 "fix: name one of those")
 
     def _partition(self, specs: list[Any], method: Any) -> list[int]:
         """DeepSpeed's boundaries for `method` (see partition.py): a layer's weight is its trainable parameters
