@@ -119,8 +119,9 @@ def test_auto_precision_turns_nothing_on():
     t = translate({"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}})
     assert "fp16" not in t.config and "bf16" not in t.config
     # bf16 as DeepSpeed 0.19 has it: a step with inf/nan gradients is skipped (check_grad_overflow, default true)
-    assert translate({"bf16": {"enabled": True}}).config == {"bf16": True, "non_finite_gradients": "skip"}
-    assert translate({"bf16": {"enabled": True, "check_grad_overflow": False}}).config == {"bf16": True}
+    clip = {"gradient_clipping": 1.0}  # DeepSpeed 0.19's default when the key is absent
+    assert translate({"bf16": {"enabled": True}}).config == {"bf16": True, "non_finite_gradients": "skip", **clip}
+    assert translate({"bf16": {"enabled": True, "check_grad_overflow": False}}).config == {"bf16": True, **clip}
     assert translate({"bf16": {"enabled": True}, "non_finite_gradients": "stop"}).config["non_finite_gradients"] == "stop"
 
 
@@ -150,8 +151,16 @@ def test_optimizer_and_scheduler_values_are_checked_before_launch(capsys, tmp_pa
 # 5. steps_per_print
 
 
+def test_gradient_clipping_defaults_to_deepspeeds_one():
+    """DeepSpeed 0.19 clips at 1.0 when the key is absent; 0 turns clipping off, as in DeepSpeed."""
+    assert translate({"train_batch_size": 8}).config["gradient_clipping"] == 1.0
+    assert "gradient_clipping" not in translate({"train_batch_size": 8, "gradient_clipping": 0}).config
+    assert translate({"train_batch_size": 8, "gradient_clipping": 0.5}).config["gradient_clipping"] == 0.5
+
+
 def test_steps_per_print_throttles_the_console_line_only():
-    assert translate({"steps_per_print": 2000}).config == {"steps_per_print": 2000}  # never metrics_interval
+    assert "metrics_interval" not in translate({"steps_per_print": 2000}).config
+    assert translate({"steps_per_print": 2000}).config["steps_per_print"] == 2000
     config, _ = validate(load_dict({"train_batch_size": 8, "steps_per_print": 2000}), Cluster(1, 4))
     assert (config.steps_per_print, config.metrics_interval) == (2000, 1)  # metrics still every step
     assert "console progress line" in type(config).model_fields["steps_per_print"].description

@@ -29,6 +29,8 @@ from .zero import translate_zero
 
 __all__ = ["Translation", "as_distribution", "auto_keys", "describe", "is_deepspeed", "translate"]
 
+DEFAULT_CLIPPING = 1.0  # DeepSpeed 0.19's GRADIENT_CLIPPING_DEFAULT (earlier releases: no clipping)
+
 # Sections shardwise spells as scalars (or SMP as a string): a DeepSpeed config writes them as dicts.
 _DICT_SECTIONS = frozenset({"fp16", "bf16", "flops_profiler", "comms_logger", "pipeline", "optimizer", "scheduler"})
 
@@ -77,6 +79,8 @@ def translate(data: Mapping[str, Any]) -> Translation:
             t.set(key, value, key)
         else:
             t.unknown(key, value, [*TOP_LEVEL, *own], "at the top level, and it is no shardwise key either")
+    if "gradient_clipping" not in data:  # DeepSpeed 0.19 clips at 1.0 unless the config says otherwise
+        t.set("gradient_clipping", DEFAULT_CLIPPING, "DeepSpeed's default when gradient_clipping is absent")
     return t
 
 

@@ -32,12 +32,12 @@ ALWAYS = {
     "disable_allgather": (False, "each ZeRO stage gathers parameters with the collectives shardwise chooses for it"),
     "managed_gradient_accumulation": (True, "@step splits each batch into gradient_accumulation_steps microbatches "
                                             "and the optimizer steps once after them"),
-    "dataloader_drop_last": (False, "the DeepSpeed engine's data loader is sw.data_loader, which keeps the last "
-                                    "batch; pass drop_last=True to sw.data_loader to drop it"),
 }
 
 # Honoured, in another way than DeepSpeed's: how.
 DIFFERENTLY = {
+    "dataloader_drop_last": "read by the DeepSpeed engine's loader (deepspeed_io), which drops the last partial "
+                            "batch when true, as DeepSpeed's; scripts on sw.data_loader pass drop_last themselves",
     "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU Adam: under offload_optimizer_state the host steps "
                                    "the torch optimizer the config or the script builds, with the same update",
 }
