@@ -115,12 +115,10 @@ def _engine_config(data: Mapping[str, Any]) -> ShardwiseConfig:
     return config
 
 
-def _pipeline_keys(model: nn.Module, data: Mapping[str, Any]) -> dict[str, Any]:
-    """A PipelineModule brings the pipeline degree (its num_stages) that a DeepSpeed config never holds."""
-    stages = getattr(model, "num_stages", None)
-    if stages is None or not _is_pipeline_module(model):
-        return {}
-    return {"pipeline_parallel_degree": stages}
+def _pipeline_keys(model: nn.Module) -> dict[str, Any]:
+    """A PipelineModule brings what a DeepSpeed config never holds: its stages (pipeline_parallel_degree) and
+    DeepSpeed's rank order (pipe outermost), so its topology and shardwise's ranks agree."""
+    return model.shardwise_config() if _is_pipeline_module(model) else {}
 
 
 def _is_pipeline_module(model: nn.Module) -> bool:
@@ -170,7 +168,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     _refuse("mesh_param", mesh_param, "sequence-parallel meshes are not built by this front end; pass None")
     data = _config_dict(_config_source(args, config, config_params))
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    resolved = _engine_config({**data, **_pipeline_keys(model, data)})
+    resolved = _engine_config({**data, **_pipeline_keys(model)})
     distributed = DistributedModel(model)
     params = list(model_parameters) if model_parameters is not None else list(distributed.parameters())
     torch_optimizer = _optimizer(optimizer, resolved, params)
