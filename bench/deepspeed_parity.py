@@ -179,7 +179,7 @@ def launch(flavour: str, script: Path, args: Sequence[str], nproc: int, *, launc
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                    "--master-addr", "127.0.0.1", "--master-port", str(port), *worker_args]
     else:
-        command = [sys.executable, "-m", "shardwise.cli", "run", "--nproc-per-node", str(nproc),
+        command = [sys.executable, "-c", "import sys; from shardwise.cli import main; sys.exit(main())", "run", "--nproc-per-node", str(nproc),
                    "--master-port", str(port), "--run-dir", str(work / "run"), *worker_args]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu",
                    **(env or {})}
