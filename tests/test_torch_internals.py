@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -40,6 +40,7 @@ from shardwise.torch_internals import (
     flight_recorder_trace,
     process_groups,
     replicate,
+    reshard_after_forward_over,
     set_group_timeout,
     strided_shard,
     style_input_fn,
@@ -50,6 +51,7 @@ from shardwise.torch_internals import (
     tree_map,
     tree_map_only,
     tree_unflatten,
+    unflatten_mesh,
     unscale_and_check_,
     use_tensor_tables,
     version,
@@ -152,6 +154,35 @@ def _flattened() -> dict:
 def test_flatten_mesh_gives_one_axis_over_the_product_of_the_axes():
     for got in run_distributed(_flattened, 2):
         assert got == {"names": ("ab",), "shape": (2,), "ranks": [0, 1], "group_size": 2, "inner": (1,)}
+
+
+def _resharded_after_forward() -> dict:
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+    split = unflatten_mesh(mesh, "shard", (2, 2), ("outer", "inner"))
+    secondary = split["outer", "inner"]
+    made = len(process_groups())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with reshard_after_forward_over(secondary):
+        for layer in model:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=2)
+    loss = model(torch.ones(2, 4)).sum()
+    after_forward = [[p.device_mesh.mesh.tolist(), p.to_local().numel()] for p in model.parameters()]
+    loss.backward()
+    return {"secondary": secondary.mesh.tolist(), "shard_still_sliceable": mesh["shard"].size(),
+            "new_groups": len(process_groups()) - made, "after_forward": after_forward,
+            "after_backward": sorted({p.device_mesh.ndim for p in model.parameters()})}
+
+
+def test_reshard_after_forward_over_keeps_each_unit_on_the_shared_secondary_groups():
+    """Forward leaves every parameter half-held on the 2-D (outer, inner) mesh made once, without a process group
+    per unit; backward gathers from there and re-shards over the whole group."""
+    ranks = run_distributed(_resharded_after_forward, 4)
+    for rank, got in enumerate(ranks):
+        pair = [[0, 1], [2, 3]]
+        assert got["secondary"] == pair and got["shard_still_sliceable"] == 4 and got["new_groups"] == 0
+        assert got["after_forward"] == [[pair, 8], [pair, 2]] * 2  # each layer's weight (16) and bias (4)
+        assert got["after_backward"] == [1]
 
 
 def _strided_local() -> dict:

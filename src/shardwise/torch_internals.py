@@ -24,10 +24,11 @@ Used by tests and `bench/` only, and checked by the smoke tests all the same:
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, MutableMapping
+from typing import Any, Callable, Iterator, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,8 @@ from torch import nn
 # Public candidate: fully_shard(..., dp_mesh_dims=DataParallelMeshDims(replicate=...)) (new in 2.13, untried here).
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from torch.distributed.tensor import DTensor, _redistribute, debug
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -55,10 +58,10 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_on
 
 __all__ = [
     "FakeTensorMode", "at_backward_end", "children_table", "clear_dtensor_caches", "drop_forward_hooks", "flatten_mesh",
-    "flight_recorder_trace", "process_groups", "replicate", "set_group_timeout",
+    "flight_recorder_trace", "process_groups", "replicate", "reshard_after_forward_over", "set_group_timeout",
     "strided_shard", "style_input_fn", "style_output_fn", "TorchDispatchMode",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
-    "unscale_and_check_", "version",
+    "unflatten_mesh", "unscale_and_check_", "version",
 ]
 
 
@@ -82,6 +85,43 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """A 1-D mesh over all of `mesh`'s axes (one process group across them), named `name`."""
     # DeviceMesh._flatten, as torchtitan uses it; a public DeviceMesh.flatten would replace it.
     return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """`mesh` with `axis` split into axes of `sizes` named `names` (the last fastest), their groups made for every
+    rank at once."""
+    # DeviceMesh._unflatten; a public DeviceMesh.unflatten would replace it.
+    return mesh._unflatten(axis, sizes, names)
+
+
+@contextlib.contextmanager
+def reshard_after_forward_over(secondary: DeviceMesh) -> Iterator[None]:
+    """Inside, `fully_shard(..., reshard_after_forward=n)` with n the size of `secondary`'s second axis keeps each
+    unit's parameters between forward and backward sharded over that axis (ZeRO++ hpZ), the first one naming the
+    other secondary groups of the sharding group.
+
+    FSDP2 would build a new DeviceMesh per `fully_shard` call from the rank's own sharding group: new process
+    groups for every unit, and where ranks hold different sharding groups (MiCS's partition groups) they create
+    different groups in the same order and hang. Here every unit shares the groups the mesh made once for every
+    rank. Public replacement: none in torch 2.13 (a mesh argument for the post-forward group would be one).
+    """
+    # fully_shard's module imports the helper by name: that is the binding its calls read.
+    original = _fully_shard_module._get_post_forward_mesh_info
+    info = HSDPMeshInfo(secondary, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def post_forward_mesh_info(reshard_after_forward: Any, mesh_info: Any) -> Any:
+        if isinstance(reshard_after_forward, bool) or reshard_after_forward != info.shard_mesh_size:
+            return original(reshard_after_forward, mesh_info)
+        if mesh_info.shard_mesh_size != info.shard_mesh_size * info.replicate_mesh_size:
+            raise ValueError(f"secondary groups of {info.shard_mesh_size} x {info.replicate_mesh_size} ranks do not "
+                             f"make up the sharding group of {mesh_info.shard_mesh_size}")
+        return info
+
+    _fully_shard_module._get_post_forward_mesh_info = post_forward_mesh_info
+    try:
+        yield
+    finally:
+        _fully_shard_module._get_post_forward_mesh_info = original
 
 
 def strided_shard(dim: int, chunks: int) -> Placement:

@@ -57,6 +57,11 @@ class ShardwiseConfig(SmpOnlySettings):
         "which waits for each unit's shard where it reaches the unit; each shard is stepped as it lands, sent in "
         "the order the next forward needs them. Gradients are final in step() (or after optimizer.synchronize(), "
         "which model.parameters() calls), parameters after optimizer.synchronize(), as under ZeRO-1.")
+    zero_hpz_partition_size: int = Field(
+        1, ge=1, description="ZeRO++ hpZ (DeepSpeed's name), ZeRO-3 only: after a unit's forward its parameters stay "
+        "sharded over a secondary group of this many ranks inside a node, so backward all-gathers them there instead "
+        "of over the whole sharding group; costs parameters / this size per rank in the compute dtype from forward "
+        "to backward. 1 = off; must divide the sharding group and the ranks per node.")
     shard_optimizer_state: bool = Field(False, description="ZeRO-1: shard optimizer states over data-parallel ranks.")
     tensor_parallel_degree: int = Field(1, ge=1, description="Ranks inside a node that split each layer.")
     sequence_parallel: bool = Field(False, description="With tensor parallelism, shard the activations between the "

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from .blocks import block_problems
 from .errors import ConfigError, Problem, did_you_mean
+from .hpz import hpz_problems
 from .pipeline import pipeline_problems
 from .schema import ShardwiseConfig, field_names, unavailable_features
 from .smp_forms import translate
@@ -88,6 +89,7 @@ def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
                       "conflicts with sharded_data_parallel_degree > 1 (which already shards optimizer states)",
                       "drop shard_optimizer_state, or set sharded_data_parallel_degree to 1")
     yield from pipeline_problems(c)
+    yield from hpz_problems(c)
 
 
 def _indivisible(total: int, key: str, factor: int, dp: int) -> Problem:

@@ -211,8 +211,10 @@ def summary(collectives: list[Collective], now: float) -> list[dict[str, Any]]:
 def mesh_groups(mesh: Any) -> dict[str, tuple[str, int]]:
     """Process-group name -> (the mesh axis it serves, its ranks). Where axes share one group (a one-node
     DDP's replicas are the whole dp axis) the first of tp, pp, dp, rdp, shard, replicate names it; the
-    world group is `world` otherwise."""
+    world group is `world` otherwise. ZeRO++ hpZ's secondary group is `hpz`."""
     groups = {dist.group.WORLD.group_name: ("world", dist.get_world_size())}
+    if getattr(mesh, "secondary", 0):
+        groups[mesh["hpz"].get_group("hpz").group_name] = ("hpz", mesh.secondary)
     for label, axis in reversed((("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("rdp", "rdp"), ("shard", "dp_shard"),
                                  ("replicate", "dp_replicate"))):
         group = mesh[axis].get_group()

@@ -25,7 +25,8 @@ from torch import nn
 
 from ..config.schema import ShardwiseConfig
 from ..runtime.mesh import ParallelMesh
-from ..topology.decisions import PrecisionMode, precision_mode, shards_optimizer_state, wrapping
+from ..topology.decisions import (PrecisionMode, precision_mode, secondary_partition, shards_optimizer_state,
+                                  wrapping)
 from . import precision
 from .materialize import has_meta, mesh_device, place, unit_materialiser
 from .pipeline import GraphPipeline, apply_pipeline, has_block_list
@@ -73,16 +74,20 @@ def wrap_part(part: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, resh
               before_shard: Optional[Callable[[nn.Module], None]] = None,
               ddp_options: Optional[Mapping[str, Any]] = None) -> Strategy:
     """Mixed precision, data parallelism and ZeRO-1 for one part: the whole model, or a pipeline stage.
-    `reshard_after_forward=False` keeps ZeRO-3's gathered parameters until backward (split-backward schedules)."""
+    `reshard_after_forward=False` keeps ZeRO-3's gathered parameters until backward (split-backward schedules);
+    else ZeRO-3 re-shards them after forward, under ZeRO++ hpZ only down to its secondary group."""
     trains = any(p.requires_grad for p in part.parameters())
     how, mode = wrapping(config, mesh.layout, trains), precision_mode(config, mesh.layout, trains)
     dtype = precision.compute_dtype(config)
     if mode is PrecisionMode.STORED:
         precision.store_in_compute_dtype(part, dtype)
+    # ZeRO-3 re-shards after forward: over the whole sharding group, or under hpZ over a secondary group (an int)
+    after_forward: bool | int = config.effective_zero_stage == 3 and reshard_after_forward
+    if after_forward and secondary_partition(config, mesh.layout):
+        after_forward = secondary_partition(config, mesh.layout)
     strategy = apply_data_parallel(part, mesh, how, dtype if mode is PrecisionMode.CAST else None,
                                    auto_wrap_min_params=config.auto_wrap_min_params, before_shard=before_shard,
-                                   reshard_after_forward=config.effective_zero_stage == 3 and reshard_after_forward,
-                                   ddp_options=ddp_options)
+                                   reshard_after_forward=after_forward, ddp_options=ddp_options)
     if mode is PrecisionMode.AUTOCAST:
         device = mesh_device(mesh)
         strategy.autocast = lambda: precision.autocast(dtype, device)

@@ -10,7 +10,7 @@ the schedule, outside backward, FSDP2's own hybrid sharding (the 2-D mesh) does 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..runtime.mesh import ParallelMesh
 from ..runtime.state import current
 from ..topology.decisions import Wrapping
-from ..torch_internals import replicate
+from ..torch_internals import replicate, reshard_after_forward_over
 from . import precision
 from .cross_group import CrossGroupReduction, unit_parameters
 from .cross_group_step import bind_step_as_shards_land
@@ -92,16 +92,17 @@ def _dp_mesh(mesh: ParallelMesh, hybrid: bool) -> DeviceMesh:
 
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, how: Wrapping, cast: Optional[torch.dtype], *,
-                        auto_wrap_min_params: int, reshard_after_forward: bool = True,
+                        auto_wrap_min_params: int, reshard_after_forward: Union[bool, int] = True,
                         before_shard: Optional[Callable[[nn.Module], None]] = None,
                         ddp_options: Optional[Mapping[str, Any]] = None) -> Strategy:
     """Wrap `model` over the data-parallel axes of `mesh` as `how` says (topology/decisions.py).
 
     `cast`: the dtype FSDP2's policy computes in (None: as stored). `reshard_after_forward=False`
     keeps gathered parameters until the end of backward, as ZeRO-2 does (a pipeline schedule that
-    splits backward needs them). Sharding calls `before_shard` on every unit (blocks of at least
-    `auto_wrap_min_params` parameters where the model names none), then the root, right before
-    sharding it (delayed initialisation materialises them there). `ddp_options` go to torch's
+    splits backward needs them); an int n (ZeRO++ hpZ) keeps them sharded over n ranks, the secondary
+    groups of `mesh["hpz"]`, so that backward gathers them there. Sharding calls `before_shard` on
+    every unit (blocks of at least `auto_wrap_min_params` parameters where the model names none), then
+    the root, right before sharding it (delayed initialisation materialises them there). `ddp_options` go to torch's
     DistributedDataParallel where `how` is DDP (SMP's DistributedModel arguments: bucket_cap_mb, ...).
     """
     if how is Wrapping.SHARDED:
@@ -111,13 +112,15 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, how: Wrapping, cas
         prepare = before_shard or (lambda unit: None)
         offload = sharded_offload_policy()
         units = sharding_units(model, auto_wrap_min_params)
-        for unit in units:
-            prepare(unit)
-            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=precision.sharded_policy(cast, root=False), offload_policy=offload)
-        prepare(model)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=precision.sharded_policy(cast, root=True), offload_policy=offload)
+        secondary = not isinstance(reshard_after_forward, bool)
+        with reshard_after_forward_over(mesh["hpz"]) if secondary else contextlib.nullcontext():
+            for unit in units:
+                prepare(unit)
+                fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                            mp_policy=precision.sharded_policy(cast, root=False), offload_policy=offload)
+            prepare(model)
+            fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                        mp_policy=precision.sharded_policy(cast, root=True), offload_policy=offload)
         if cross_group_dtype is None:
             return Sharded(model, None, hybrid)  # fully_shard turned `model` into an FSDPModule in place
         *blocks, root = unit_parameters([*units, model])  # as FSDP2 took them; backward ends with the root

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields, replace
 
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
+from ..topology.decisions import secondary_partition
 from . import assumptions as A
 from .activations import keeps_matmuls, recomputed_elementwise_bytes, region_blocks
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
@@ -88,22 +89,24 @@ class _Traffic:
         self.first_bucket = 0.0
         self.records: list[Collective] = []
 
-    def time(self, kind: str, nbytes: float, axes: tuple[str, ...], calls: int) -> LinkTime:
-        shape = group_shape(self.layout, self.cluster.devices_per_node, axes)
+    def time(self, kind: str, nbytes: float, axes: tuple[str, ...], calls: int, within: int = 0) -> LinkTime:
+        shape = group_shape(self.layout, self.cluster.devices_per_node, axes, within)
         return collective_time(kind, nbytes, shape, self.cluster, calls)
 
-    def add(self, when: str, kind: str, nbytes: float, axes: tuple[str, ...], label: str, calls: int = 0) -> LinkTime:
-        """Add `nbytes` of `kind` on the groups along `axes`, in `calls` collectives
-        (default: per block when sharded per block, else per DDP-sized bucket)."""
+    def add(self, when: str, kind: str, nbytes: float, axes: tuple[str, ...], label: str, calls: int = 0,
+            within: int = 0) -> LinkTime:
+        """Add `nbytes` of `kind` on the groups along `axes` (with `within`, on ZeRO++ hpZ's secondary groups of
+        that many ranks inside them), in `calls` collectives (default: per block when sharded per block, else
+        per DDP-sized bucket)."""
         calls = calls or (self.blocks if "dp_shard" in axes and len(axes) == 1 else -(-int(nbytes) // A.BUCKET_BYTES))
-        t = self.time(kind, nbytes, axes, calls)
+        t = self.time(kind, nbytes, axes, calls, within)
         if t.serial == 0:
             return t
         if when != "critical":
             setattr(self, when, getattr(self, when) + t)
         count = self.microbatches if when in ("forward", "backward", "critical") else 1
-        self.records.append(Collective(f"{label} {kind.replace('_', '-')} ({_WHEN[when]})",
-                                       "×".join(a for a in axes if getattr(self.layout, a) > 1),
+        axis = "hpz" if within else "×".join(a for a in axes if getattr(self.layout, a) > 1)
+        self.records.append(Collective(f"{label} {kind.replace('_', '-')} ({_WHEN[when]})", axis,
                                        nbytes * count, t.link, t.serial * count))
         return t
 
@@ -117,7 +120,8 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     the parameters each rank updated, one tensor at a time, in their stored dtype, during the next
     forward — each module waits for the bucket holding its parameters, so the first bucket is
     exposed — except under FSDP2's `replicate`, which copies them all before forward. FSDP2 gathers
-    the compute copies every forward (ZeRO-3 again in backward) and reduce-scatters fp32 gradients.
+    the compute copies every forward (ZeRO-3 again in backward, under ZeRO++ hpZ inside the secondary
+    group only) and reduce-scatters fp32 gradients.
     """
     stage = config.effective_zero_stage
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
@@ -133,8 +137,9 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
         return
     gathered = compute_bytes(config) * rank_params
     traffic.add("forward", "all_gather", gathered, ("dp_shard",), "parameter")
-    if stage == 3:
-        traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter")
+    if stage == 3:  # under ZeRO++ hpZ from the secondary shards forward left, inside the secondary group
+        traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter",
+                    within=secondary_partition(config, layout))
     traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), "gradient")
     # MiCS's cross-group all-reduce: one per unit (the blocks, then the root), overlapping the last backward, or
     # (cross_group_overlap: forward, parallel/cross_group.py) also the optimizer step and the next forward

@@ -25,7 +25,9 @@ own decision, read from `topology/decisions.py`:
 - ZeRO-2/3 and MiCS run FSDP2 (`fully_shard` per block, then the root). Parameters
   are stored sharded in fp32 (they are the master copy) and gathered in the compute
   dtype: ZeRO-2 keeps every block gathered from its forward to its backward, ZeRO-3
-  only the root (embedding, head) and the current and prefetched block. (An untied
+  only the root (embedding, head) and the current and prefetched block; under ZeRO++
+  hpZ (`zero_hpz_partition_size` n) every other block keeps 1/n of its parameters in
+  the compute dtype from its forward to its backward, where the peak (backward's start) sees them all. (An untied
   embedding or head of half a block or more is a unit of its own and is freed too:
   this counts it gathered, an overestimate of at most those two.) Gradients
   are reduce-scattered and kept in fp32, and the root returns fp32 outputs. The
@@ -42,7 +44,7 @@ from typing import NamedTuple
 from ..config.schema import ShardwiseConfig
 from ..parallel.zero1.shares import BUCKET_BYTES, IN_FLIGHT, assign_owners, consecutive_buckets, fill_buckets
 from ..topology import Layout
-from ..topology.decisions import PrecisionMode, Wrapping, precision_mode, wrapping
+from ..topology.decisions import PrecisionMode, Wrapping, precision_mode, secondary_partition, wrapping
 from . import assumptions as A
 from .activations import Numerics
 from .spec import ModelSpec
@@ -183,7 +185,8 @@ def optimizer_step_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layou
 
 
 def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
-    """Unsharded compute copies of parameters FSDP2 holds at the peak (0 under DDP and ZeRO-1 in bf16/fp16)."""
+    """Unsharded compute copies of parameters FSDP2 holds at the peak (0 under DDP and ZeRO-1 in bf16/fp16), and
+    under ZeRO++ hpZ the blocks' secondary shards, kept between forward and backward."""
     if not (fully_sharded(config) or replicated_by_fsdp(config, layout)):
         return 0.0
     low = compute_bytes(config)
@@ -192,7 +195,10 @@ def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> 
         return low * rank_params
     blocks = spec.stage_layers(layout.pp) * spec.layer_parameters / layout.tp
     in_flight = min(2, spec.stage_layers(layout.pp)) * spec.layer_parameters / layout.tp
-    return low * (rank_params - blocks + in_flight)
+    # ZeRO++ hpZ: every other block keeps its shard of the secondary group from its forward to its backward
+    secondary = secondary_partition(config, layout)
+    kept = (blocks - in_flight) / secondary if secondary else 0.0
+    return low * (rank_params - blocks + in_flight + kept)
 
 
 def root_unit_parameters(spec: ModelSpec, layout: Layout) -> float:

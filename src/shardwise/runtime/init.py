@@ -14,6 +14,7 @@ from ..config import IneffectiveSettingsWarning, Problem, ShardwiseConfig, ineff
 from ..config.effects import notice_of
 from ..config.sources import CONFIG_ENV
 from ..topology import Cluster
+from ..topology.decisions import secondary_partition
 from ..topology.layout import validate
 from . import hang_report, state
 from .agreement import check_same_config
@@ -111,7 +112,7 @@ def init(config: ConfigLike = None) -> ShardwiseConfig:
     owns = _start_process_group(device)
     check_same_config(resolved, device)
     warn_ineffective(ineffective_settings(resolved))
-    mesh = ParallelMesh(device, layout)
+    mesh = ParallelMesh(device, layout, secondary_partition(resolved, layout))
     hang_report.apply_timeout(resolved.collective_timeout_seconds)
     hang_report.start(dist.get_rank(), resolved.collective_timeout_seconds)
     state.set_current(state.Runtime(config=resolved, cluster=cluster, layout=layout, mesh=mesh, device=device,

@@ -15,6 +15,7 @@ from itertools import product
 from typing import Any, Iterable, Mapping, Optional
 
 from ..config.errors import ConfigError, Problem
+from ..config.hpz import KEY as HPZ
 from ..config.packages import package_problems
 from ..config.schema import ShardwiseConfig
 from ..config.validate import batch_triple, config_problems, unavailable_problems
@@ -137,6 +138,7 @@ def layout_problems(config: ShardwiseConfig, cluster: Cluster) -> tuple[Optional
                                 "set ddp to true, or make tp × pp equal the world size"))
     shard = 1 if config.effective_zero_stage < 2 else group if group > 1 else dp
     layout = Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp, placement=config.placement)
+    problems += _hpz_problems(config, layout, cluster)
     spanning = [g for g in layout.groups("tp") if len({cluster.node_of(r) for r in g}) > 1]
     if spanning and not any(p.path == "tensor_parallel_degree" for p in problems):
         problems.append(Problem("placement_strategy", config.placement_strategy,
@@ -144,6 +146,27 @@ def layout_problems(config: ShardwiseConfig, cluster: Cluster) -> tuple[Optional
                                 f"{cluster.devices_per_node} devices, and TP stays inside a node",
                                 "use a placement with T last, such as 'cluster' (DPT)"))
     return layout, problems
+
+
+def _hpz_problems(config: ShardwiseConfig, layout: Layout, cluster: Cluster) -> list[Problem]:
+    """ZeRO++ hpZ's secondary groups split each sharding group into groups of `zero_hpz_partition_size`
+    neighbouring ranks. Without tensor or pipeline parallelism (config/hpz.py refuses both) a sharding group's
+    ranks are consecutive, so a size that divides the ranks per node keeps every secondary group on one node."""
+    size, shard = config.zero_hpz_partition_size, layout.dp_shard
+    if size == 1 or config.effective_zero_stage != 3:
+        return []  # off, or refused without ZeRO-3 already
+    problems = []
+    if shard % size:
+        problems.append(Problem(HPZ, size, f"must divide the sharding group's {shard} ranks "
+                                "(sharded_data_parallel_degree, or the whole data-parallel group without it): "
+                                "each secondary group is part of one sharding group",
+                                f"use a divisor of {shard}: {_divisors(shard)}"))
+    if cluster.devices_per_node % size:
+        per_node = cluster.devices_per_node
+        problems.append(Problem(HPZ, size, f"must divide the {per_node} ranks per node: backward's all-gathers "
+                                "run inside a secondary group, which stays inside a node",
+                                f"use a divisor of {per_node}: {_divisors(per_node)}"))
+    return problems
 
 
 def layout_for(config: ShardwiseConfig, cluster: Cluster) -> Layout:
