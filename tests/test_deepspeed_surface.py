@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -93,3 +95,18 @@ def test_every_name_exists_in_deepspeed_itself(monkeypatch):
     missing = [name for name, status, _ in api_rows()
                if status != "refused" and not _resolves(name, "deepspeed", REAL_ENGINES)]
     assert not missing
+
+
+def test_names_resolve_in_a_script_order_in_a_fresh_process():
+    """A script touches `add_config_arguments` or `init_distributed` before `initialize`, and reaches
+    submodules as attributes (`deepspeed.runtime.utils.set_random_seed`): each stays what DeepSpeed has."""
+    script = ("import shardwise.deepspeed as deepspeed\n"
+              "deepspeed.add_config_arguments, deepspeed.init_distributed\n"
+              "assert callable(deepspeed.initialize), deepspeed.initialize\n"
+              "assert callable(deepspeed.runtime.utils.set_random_seed)\n"
+              "assert callable(deepspeed.runtime.pipe.module.PipelineModule)\n"
+              "groups = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer("
+              "{'params': [1, 2], 'lr': 0.1})\n"
+              "assert groups == [{'params': [1, 2], 'lr': 0.1}], groups\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

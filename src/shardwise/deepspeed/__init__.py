@@ -23,19 +23,19 @@ from typing import Any
 __version__ = "0.19.8"
 
 _EXPORTS = {
-    "initialize": "initialize",
-    "init_distributed": "initialize",
-    "add_config_arguments": "initialize",
+    "initialize": "initialization",
+    "init_distributed": "initialization",
+    "add_config_arguments": "initialization",
     "DeepSpeedEngine": "engine",
     "PipelineEngine": "pipeline_engine",
     "PipelineModule": "pipe",
     "get_accelerator": "accelerator",
     "log_dist": "utils",
     "logger": "utils",
-    "TORCH_DISTRIBUTED_DEFAULT_PORT": "initialize",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT": "initialization",
 }
 # DeepSpeed's submodules that scripts reach as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`).
-_SUBMODULES = {"comm", "zero", "pipe", "utils", "runtime", "accelerator", "ops", "checkpointing"}
+_SUBMODULES = {"comm", "zero", "pipe", "utils", "runtime", "accelerator", "ops", "checkpointing", "moe"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .initialize import init_distributed
+from .initialization import init_distributed
 
 __all__ = ["init_distributed", "get_local_rank", "log_summary"]
 

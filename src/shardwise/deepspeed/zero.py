@@ -1,9 +1,11 @@
 """`deepspeed.zero`: `Init` (build a model without allocating it whole) and `GatheredParameters`.
 
-`Init` is shardwise's delayed initialisation: modules built inside it get their parameters on the meta
-device, and `deepspeed.initialize` materialises only this rank's shards (parallel/materialize.py). The
-values come from each module's own initialiser seeded by its name, so every layout builds the same model;
-they are not DeepSpeed's draw from the global generator.
+`Init` is shardwise's delayed initialisation for parameters: modules built inside it keep their
+parameters on the meta device (each is made, then dropped to meta, one at a time, so the host never holds
+the model), while buffers stay as the module computed them (a causal mask keeps its values), as under
+DeepSpeed, which partitions parameters only. `deepspeed.initialize` materialises only this rank's shards
+(parallel/materialize.py); the values come from each module's own initialiser seeded by its name, so every
+layout builds the same model; they are not DeepSpeed's draw from the global generator.
 
 `GatheredParameters` gives whole parameters inside its block where the layout holds them in pieces (ZeRO-3
 and MiCS shards, tensor-parallel splits): the module attributes name full tensors there, and with
@@ -13,21 +15,37 @@ and MiCS shards, tensor-parallel splits): the module attributes name full tensor
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..api.delayed_init import delay_param_initialization
 from ..runtime import state
 
 __all__ = ["Init", "GatheredParameters"]
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the block moves to the meta device; buffers are left as made."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 class Init(contextlib.ContextDecorator):
-    """DeepSpeed's `zero.Init`: inside it, modules are built on the meta device (no memory, no init) and the
+    """DeepSpeed's `zero.Init`: inside it, parameters are left on the meta device (buffers as made) and the
     engine materialises this rank's part. `module=` converts an already built model, which is materialised
     already: nothing to do. `enabled=False` builds normally. The remaining arguments choose where DeepSpeed
     keeps the partitions (`remote_device`, `pin_memory`) or its groups; the config's layout decides here."""
@@ -43,7 +61,7 @@ class Init(contextlib.ContextDecorator):
         self._context: Optional[contextlib.AbstractContextManager] = None
 
     def __enter__(self) -> "Init":
-        self._context = delay_param_initialization(enabled=self.enabled)
+        self._context = _parameters_on_meta() if self.enabled else contextlib.nullcontext()
         self._context.__enter__()
         return self
 

@@ -47,6 +47,20 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+def _backend(asked: Optional[str], own: str) -> str:
+    """The backend the script names, keeping what exists here: of "cpu:gloo,cuda:nccl" the pairs whose backend
+    is available; a backend not available at all (the seed's 'hccl' on a GPU or CPU) gives this device's, said
+    in a warning."""
+    if asked is None or asked == own:
+        return own
+    pairs = [pair for pair in asked.split(",") if dist.is_backend_available(pair.rpartition(":")[2])]
+    if pairs:
+        return ",".join(pairs)
+    warnings.warn(f"deepspeed.init_distributed(dist_backend={asked!r}): not available here; using {own!r}, this "
+                  "device's", stacklevel=3)
+    return own
+
+
 def _one_process_world() -> bool:
     return "WORLD_SIZE" not in os.environ or ("MASTER_ADDR" not in os.environ and os.environ["WORLD_SIZE"] == "1")
 
@@ -61,13 +75,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     CUDA, gloo on CPU). MPI discovery is not attempted: start the ranks with `shardwise run` or torchrun."""
     if dist.is_initialized() or dist_init_required is False:
         return
-    backend = backend_for(local_device(int(os.environ.get("LOCAL_RANK", 0))))
-    if dist_backend is not None and dist_backend != backend:
-        if dist.is_backend_available(dist_backend):
-            backend = dist_backend
-        else:
-            warnings.warn(f"deepspeed.init_distributed(dist_backend={dist_backend!r}): that backend is not "
-                          f"available here; using {backend!r}, this device's", stacklevel=2)
+    backend = _backend(dist_backend, backend_for(local_device(int(os.environ.get("LOCAL_RANK", 0)))))
     if init_method is None and _one_process_world():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
