@@ -35,6 +35,8 @@ LAYOUTS: dict[str, tuple[int, int, dict]] = {
     "mics": (4, 4, {"sharded_data_parallel_degree": 2}),
     # the cross-group all-reduce overlapping the step and the next forward (the replica check waits for it)
     "mics-overlap-forward": (4, 2, {"sharded_data_parallel_degree": 2, "cross_group_overlap": "forward"}),
+    # ZeRO++ hpZ: after forward parameters stay sharded over each node's two ranks, where backward gathers them
+    "zero3-hpz": (4, 2, {"sharded_data_parallel_degree": 4, "zero_hpz_partition_size": 2}),
     "tp": (4, 4, {"tensor_parallel_degree": 2}),
     "tp-world": (2, 2, {"tensor_parallel_degree": 2}),  # one tensor-parallel group, no data parallelism
     "tp-sharded": (4, 4, {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}),
