@@ -93,44 +93,6 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# Modules a script imports from DeepSpeed that shardwise.deepspeed lacks, with the names the scripts import from
-# them, for runs that never call them (cifar10_deepspeed.py imports moe.utils at its top, and calls it only with
-# --moe-param-group). A name called raises. Each is a gap in the front end, named in docs/deepspeed.md's
-# "Measured against DeepSpeed"; delete its entry when the front end has the module.
-MISSING = {"shardwise.deepspeed.moe.utils": ["split_params_into_different_moe_groups_for_optimizer"]}
-
-
-def _stand_in_for_missing_names() -> None:
-    import importlib
-    import types
-
-    for name, attributes in MISSING.items():
-        try:
-            importlib.import_module(name)
-            continue
-        except ImportError:
-            pass
-        print(f"deepspeed_parity: {name} is missing from shardwise; standing in for {attributes}", file=sys.stderr)
-        parent = None
-        for depth in range(2, name.count(".") + 2):
-            partial = ".".join(name.split(".")[:depth])
-            module = sys.modules.get(partial)
-            if module is None:
-                try:
-                    module = importlib.import_module(partial)
-                except ImportError:
-                    module = types.ModuleType(partial)
-                    module.__path__ = []
-                    sys.modules[partial] = module
-            if parent is not None:
-                setattr(parent, partial.rsplit(".", 1)[1], module)
-            parent = module
-        for attribute in attributes:
-            def missing(*args, _name=f"{name}.{attribute}", **kwargs):
-                raise NotImplementedError(f"{_name} is missing from shardwise.deepspeed")
-            setattr(parent, attribute, missing)
-
-
 def worker(flavour: str, losses_dir: str, script: str, script_args: Sequence[str], seed: int = 0) -> None:
     """Run `script` as `__main__` with `script_args`, under DeepSpeed or shardwise, recording its losses."""
     if flavour == "deepspeed":
@@ -141,8 +103,6 @@ def worker(flavour: str, losses_dir: str, script: str, script_args: Sequence[str
         source = source.replace("shardwise.deepspeed", "deepspeed")
     records: list = []
     _recording_hooks(flavour, records)
-    if flavour == "shardwise":
-        _stand_in_for_missing_names()
     # Some scripts never seed (DeepSpeedExamples' CIFAR-10 builds its model from torch's default generator, which
     # torch seeds at random per process): both runs start from the same seed, as each launch of one would.
     _seed(seed)

@@ -30,19 +30,6 @@ import deepspeed_parity as parity  # noqa: E402
 
 TOLERANCE = 1e-5  # relative, fp32: a reduction's order changes the last bits, a wrong update far more
 
-# What each script still lacks in shardwise.deepspeed (docs/deepspeed.md, "Measured against DeepSpeed").
-INITIALIZE_SHADOWED = pytest.mark.xfail(reason=(
-    "shardwise.deepspeed: after deepspeed.add_config_arguments or deepspeed.init_distributed (which import the "
-    "submodule shardwise.deepspeed.initialize), `deepspeed.initialize` is that module, not the function: "
-    "TypeError: 'module' object is not callable"), strict=False)
-RUNTIME_UTILS = pytest.mark.xfail(reason=(
-    "shardwise.deepspeed.runtime does not import its utils submodule: `deepspeed.runtime.utils.set_random_seed` "
-    "is an AttributeError (DeepSpeed's package has it)"), strict=False)
-ZERO_INIT_BUFFER = pytest.mark.xfail(reason=(
-    "deepspeed.zero.Init cannot build a module holding a buffer of its own without reset_parameters() "
-    "(the example's CausalSelfAttention and its causal_mask); DeepSpeed builds it"), strict=False)
-
-
 def _run(script: str, args: list[str], nproc: int) -> list[list]:
     return parity.launch("shardwise", parity.EXAMPLES / script, args, nproc, launcher="shardwise", timeout=300)
 
@@ -74,7 +61,6 @@ def cifar_one_process():
     return _run("cifar10_deepspeed.py", [*CIFAR, "--stage", "0"], 1)
 
 
-@INITIALIZE_SHADOWED
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_cifar10_at_each_zero_stage_trains_as_one_process(stage, cifar_one_process):
     ranks = _run("cifar10_deepspeed.py", [*CIFAR, "--stage", str(stage)], 2)
@@ -84,7 +70,6 @@ def test_cifar10_at_each_zero_stage_trains_as_one_process(stage, cifar_one_proce
 
 # ----- ZeRO-3 with deepspeed.zero.Init: DeepSpeed's own example -----
 
-@ZERO_INIT_BUFFER
 def test_zero3_with_zero_init_trains_as_one_process(tmp_path):
     two = parity._zero3_args(tmp_path)
     config = Path(two[two.index("--deepspeed_config") + 1])
@@ -96,7 +81,6 @@ def test_zero3_with_zero_init_trains_as_one_process(tmp_path):
 
 # ----- two engines: DeepSpeedExamples' GAN -----
 
-@INITIALIZE_SHADOWED
 def test_gan_with_two_engines_trains_as_one_process():
     args = parity._gan_args()
     ranks, reference = _run("gan/gan_deepspeed_train.py", args, 2), _run("gan/gan_deepspeed_train.py", args, 1)
@@ -109,8 +93,6 @@ def test_gan_with_two_engines_trains_as_one_process():
 
 # ----- pipeline: DeepSpeedExamples' pipeline_parallelism (PipelineModule over AlexNet) -----
 
-@INITIALIZE_SHADOWED
-@RUNTIME_UTILS
 def test_pipeline_module_on_two_stages_trains_as_one_stage(tmp_path):
     ranks = _run("pipeline_parallelism/train.py", parity._pipeline_args(tmp_path, stages=2), 2)
     reference = _run("pipeline_parallelism/train.py", parity._pipeline_args(tmp_path, stages=1), 1)
@@ -130,14 +112,11 @@ AGAINST_DEEPSPEED = {
     "pipeline": pytest.mark.xfail(reason=(
         "DeepSpeed draws from torch's generator between the script's seed and the first train_batch, shardwise "
         "does not: AlexNet's dropout masks differ from the first step"), strict=False),
-    "zero.Init": ZERO_INIT_BUFFER,
 }
 
 
 def _deepspeed_case(case):
     marks = [mark for key, mark in AGAINST_DEEPSPEED.items() if key in case.name]
-    if "zero.Init" not in case.name:
-        marks.append(INITIALIZE_SHADOWED)
     return pytest.param(case, id=case.name.split(" ")[0] + "-" + case.name.rsplit(" ", 1)[-1], marks=marks)
 
 
