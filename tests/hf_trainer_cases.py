@@ -1,0 +1,90 @@
+"""Shared by tests/test_hf_*.py: a tiny GPT-2 Trainer run, on shardwise.hf or on transformers itself.
+
+Each row's labels hide a random share of its tokens (-100), so ranks and micro-steps count different numbers
+of label tokens and the Trainer's loss normalisation (`num_items_in_batch`, gathered over every rank) matters.
+A run returns what the Trainer logged (loss, grad_norm, learning rate per step), the evaluation metrics and
+rank 0's whole parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+
+from tiny_models import SEQ, VOCAB, build
+
+ROWS = 48
+
+
+def rows(count: int = ROWS, seed: int = 7) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (count, SEQ), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(count, SEQ, generator=g) < 0.3] = -100
+    return [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels)]
+
+
+def arguments(cls: Any, out: str, micro: int, **more: Any) -> Any:
+    settings = dict(output_dir=out, per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
+                    gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, adam_epsilon=1e-6,
+                    weight_decay=0.01, warmup_steps=1, logging_steps=1, save_strategy="no", report_to=[],
+                    disable_tqdm=True, seed=11, log_level="error")
+    settings.update(more)
+    return cls(**settings)
+
+
+def losses(history: list[dict]) -> list[float]:
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate: bool = True,
+        resume: Any = None, **more: Any) -> dict:
+    """One rank: train (and evaluate) a tiny GPT-2 with `kind` "plain" (transformers.Trainer) or "shardwise"
+    (shardwise.hf.Trainer under the shardwise config `layout`, as `shardwise run --config` gives it)."""
+    import transformers
+
+    if kind == "plain":
+        from transformers import Trainer, TrainingArguments
+    else:
+        from shardwise.hf import Trainer, TrainingArguments
+        if layout is not None:
+            path = os.path.join(out, f"layout-{torch.distributed.get_rank()}.json")
+            os.makedirs(out, exist_ok=True)
+            with open(path, "w") as file:
+                json.dump(layout, file)
+            os.environ["SHARDWISE_CONFIG"] = path  # what `shardwise run --config` sets
+    transformers.logging.set_verbosity_error()
+    model = build("gpt2", freeze_key_bias=True)
+    args = arguments(TrainingArguments, out, micro, **more)
+    trainer = Trainer(model=model, args=args, train_dataset=rows(), eval_dataset=rows(16, seed=8))
+    output = trainer.train(resume_from_checkpoint=resume)
+    metrics = trainer.evaluate() if evaluate else {}
+    wrapped = trainer.model_wrapped
+    state = wrapped.full_state_dict() if kind == "shardwise" else wrapped.state_dict()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return {"history": trainer.state.log_history, "losses": losses(trainer.state.log_history),
+            "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
+            "lrs": [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e],
+            "eval_loss": metrics.get("eval_loss"), "train_loss": output.training_loss,
+            "global_step": trainer.state.global_step,
+            "state": {k: v.detach().cpu().clone() for k, v in state.items()} if rank == 0 else None}
+
+
+def assert_same(ranks: list[dict], want: dict, tolerance: float = 1e-5) -> None:
+    got = ranks[0]
+    assert len(got["losses"]) == len(want["losses"])
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]), rtol=tolerance,
+                               atol=tolerance)
+    assert got["lrs"] == want["lrs"]
+    if want["eval_loss"] is not None:
+        assert abs(got["eval_loss"] - want["eval_loss"]) <= tolerance * max(1.0, abs(want["eval_loss"]))
+    for name, value in want["state"].items():
+        if name in got["state"]:
+            torch.testing.assert_close(got["state"][name], value, rtol=tolerance, atol=tolerance, msg=name)
+    assert set(got["state"]) <= set(want["state"])
+    for other in ranks[1:]:  # every rank logs the same (the Trainer averages over ranks)
+        assert other["losses"] == got["losses"]
