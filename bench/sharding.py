@@ -38,10 +38,14 @@ CATEGORIES = ("PARAM", "GRAD", "OPT", "ACT", "TEMP", "BUFFER", "OTH")
 
 
 def shardwise_configs(nproc: int) -> dict[str, dict]:
-    return {"DDP": {}, "ZeRO-1": {"shard_optimizer_state": True},
-            "ZeRO-2": {"zero_stage": 2, "sharded_data_parallel_degree": nproc},
-            "ZeRO-3": {"sharded_data_parallel_degree": nproc},
-            f"MiCS {nproc // 2}×2": {"sharded_data_parallel_degree": 2}}
+    configs = {"DDP": {}, "ZeRO-1": {"shard_optimizer_state": True},
+               "ZeRO-2": {"zero_stage": 2, "sharded_data_parallel_degree": nproc},
+               "ZeRO-3": {"sharded_data_parallel_degree": nproc},
+               f"MiCS {nproc // 2}×2": {"sharded_data_parallel_degree": 2}}
+    if nproc >= 4:  # ZeRO++ hpZ: backward gathers inside secondary groups of half the ranks
+        configs[f"ZeRO-3 hpZ {nproc // 2}"] = {"sharded_data_parallel_degree": nproc,
+                                              "zero_hpz_partition_size": nproc // 2}
+    return configs
 
 
 def _deepspeed_version() -> str | None:

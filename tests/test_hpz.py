@@ -102,14 +102,14 @@ def test_a_size_below_one_is_refused_by_type():
 GPT2_6 = {"model_type": "gpt2", "n_layer": 6, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64}
 
 
-def test_planner_keeps_the_secondary_shards_of_blocks_not_gathered_at_the_peak():
-    """At backward's start the root and two blocks are gathered; the other four keep 1/2 in the compute dtype."""
+def test_planner_keeps_every_blocks_secondary_shard_at_the_peak():
+    """When forward ends, with the root gathered for the loss, all six blocks keep 1/2 in the compute dtype."""
     spec = spec_from_hf(GPT2_6, "gpt2")
     layout = Layout(dp_shard=WORLD)
     for precision, low in (({}, 4), ({"bf16": True}, 2)):
         plain, hpz = parse_config({**ZERO3, **precision}), parse_config({**HPZ, **precision})
         extra = gathered_bytes(spec, hpz, layout) - gathered_bytes(spec, plain, layout)
-        assert extra == pytest.approx(low * 4 * spec.layer_parameters / PER_NODE)
+        assert extra == pytest.approx(low * 6 * spec.layer_parameters / PER_NODE)
         cpu = cluster_preset("local").device
         assert (predict_memory(spec, hpz, layout, 2, 64, device=cpu).total
                 > predict_memory(spec, plain, layout, 2, 64, device=cpu).total)

@@ -175,6 +175,9 @@ SHARDED["ZeRO-1 bf16 TP 2"] = {"shard_optimizer_state": True, "bf16": True, "ten
 # Optimizer-state offload on the CPU, where nothing moves: fp32 ZeRO-1 steps masters of its share, ZeRO-3 is as without.
 SHARDED["ZeRO-1 offload"] = {"shard_optimizer_state": True, "offload_optimizer_state": True}
 SHARDED["ZeRO-3 offload"] = {"sharded_data_parallel_degree": WORLD, "offload_optimizer_state": True}
+# ZeRO++ hpZ: each block's half kept from its forward to its backward (secondary groups of 2)
+SHARDED["ZeRO-3 hpZ 2"] = {"sharded_data_parallel_degree": WORLD, "zero_hpz_partition_size": 2}
+SHARDED["ZeRO-3 hpZ 2 bf16"] = {**SHARDED["ZeRO-3 hpZ 2"], "bf16": True}
 
 
 def measure_shardwise(config: dict) -> dict:
@@ -229,3 +232,16 @@ def test_sharded_runtime_matches_memtracker(name, sharded_runs):
     predicted = predict_memory(spec_from_hf(GPT2.to_dict(), "gpt2"), config, layout_for(config, Cluster(1, WORLD)),
                                micro_batch, 64, device=CPU)
     _check(name, predicted, sharded_runs[name])
+
+
+@pytest.mark.parametrize("precision", ["", " bf16"])
+def test_hpz_adds_to_the_peak_what_the_planner_keeps(precision, sharded_runs):
+    """The secondary shards hpZ keeps between forward and backward raise the measured peak by what the planner
+    adds to ZeRO-3's gathered parameters (every block's half, in the compute dtype)."""
+    spec, layout = spec_from_hf(GPT2.to_dict(), "gpt2"), Layout(dp_shard=WORLD)
+    predicted = [predict_memory(spec, parse_config(SHARDED[name + precision]), layout, BATCH, 64,
+                                device=CPU).gathered_params for name in ("ZeRO-3", "ZeRO-3 hpZ 2")]
+    measured = [sharded_runs[name + precision]["peak"] for name in ("ZeRO-3", "ZeRO-3 hpZ 2")]
+    print(f"\nhpZ{precision}: peak +{measured[1] - measured[0]:,} bytes measured, "
+          f"+{predicted[1] - predicted[0]:,.0f} predicted")
+    assert measured[1] - measured[0] == pytest.approx(predicted[1] - predicted[0], rel=0.10)

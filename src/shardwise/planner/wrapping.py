@@ -26,8 +26,10 @@ own decision, read from `topology/decisions.py`:
   are stored sharded in fp32 (they are the master copy) and gathered in the compute
   dtype: ZeRO-2 keeps every block gathered from its forward to its backward, ZeRO-3
   only the root (embedding, head) and the current and prefetched block; under ZeRO++
-  hpZ (`zero_hpz_partition_size` n) every other block keeps 1/n of its parameters in
-  the compute dtype from its forward to its backward, where the peak (backward's start) sees them all. (An untied
+  hpZ (`zero_hpz_partition_size` n) every block keeps 1/n of its parameters in the
+  compute dtype from its forward to its backward: when forward ends, with the root still
+  gathered for the loss, all of them (bench/sharding.py: +6,318,080 bytes at the peak of
+  GPT-2 4×256 over ZeRO-3, exactly 4 blocks' halves in fp32). (An untied
   embedding or head of half a block or more is a unit of its own and is freed too:
   this counts it gathered, an overestimate of at most those two.) Gradients
   are reduce-scattered and kept in fp32, and the root returns fp32 outputs. The
@@ -195,9 +197,10 @@ def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> 
         return low * rank_params
     blocks = spec.stage_layers(layout.pp) * spec.layer_parameters / layout.tp
     in_flight = min(2, spec.stage_layers(layout.pp)) * spec.layer_parameters / layout.tp
-    # ZeRO++ hpZ: every other block keeps its shard of the secondary group from its forward to its backward
+    # ZeRO++ hpZ: every block keeps its secondary shard from its forward to its backward; when forward ends, the
+    # root (still gathered for the loss) sees them all (measured: bench/sharding.py, docs/sharding.md)
     secondary = secondary_partition(config, layout)
-    kept = (blocks - in_flight) / secondary if secondary else 0.0
+    kept = blocks / secondary if secondary else 0.0
     return low * (rank_params - blocks + in_flight + kept)
 
 
