@@ -40,10 +40,23 @@ def losses(history: list[dict]) -> list[float]:
     return [entry["loss"] for entry in history if "loss" in entry]
 
 
+def deepspeed_optimizers(model: torch.nn.Module, warmup_steps: int, lr: float = 1e-3) -> tuple:
+    """What DeepSpeed builds from the Hugging Face configs' AdamW and WarmupLR blocks once the Trainer filled them
+    (`run`'s arguments): torch's AdamW over the trainable parameters in one group, and DeepSpeed's WarmupLR (log
+    warm-up from 0, as shardwise.api.configured computes it)."""
+    from shardwise.api.configured import WarmupLR
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    return optimizer, WarmupLR(optimizer, warmup_min_lr=0, warmup_max_lr=lr, warmup_num_steps=max(1, warmup_steps))
+
+
 def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate: bool = True,
-        resume: Any = None, **more: Any) -> dict:
+        resume: Any = None, deepspeed_reference: bool = False, **more: Any) -> dict:
     """One rank: train (and evaluate) a tiny GPT-2 with `kind` "plain" (transformers.Trainer) or "shardwise"
-    (shardwise.hf.Trainer under the shardwise config `layout`, as `shardwise run --config` gives it)."""
+    (shardwise.hf.Trainer under the shardwise config `layout`, as `shardwise run --config` gives it).
+    `deepspeed_reference`: the plain Trainer with the optimizer and schedule DeepSpeed builds from a Hugging Face
+    config (`deepspeed_optimizers`)."""
     import transformers
 
     if kind == "plain":
@@ -59,17 +72,26 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
     transformers.logging.set_verbosity_error()
     model = build("gpt2", freeze_key_bias=True)
     args = arguments(TrainingArguments, out, micro, **more)
-    trainer = Trainer(model=model, args=args, train_dataset=rows(), eval_dataset=rows(16, seed=8))
+    optimizers = deepspeed_optimizers(model, args.warmup_steps) if deepspeed_reference else (None, None)
+    trainer = Trainer(model=model, args=args, train_dataset=rows(), eval_dataset=rows(16, seed=8),
+                      optimizers=optimizers)
     output = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate() if evaluate else {}
     wrapped = trainer.model_wrapped
     state = wrapped.full_state_dict() if kind == "shardwise" else wrapped.state_dict()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    layout = {}
+    if kind == "shardwise":
+        from shardwise.runtime import state as runtime_state
+
+        config = runtime_state.current().config
+        layout = {"zero_stage": config.effective_zero_stage, "offload": config.offload_optimizer_state,
+                  "clipping": config.gradient_clipping}
     return {"history": trainer.state.log_history, "losses": losses(trainer.state.log_history),
             "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
             "lrs": [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e],
             "eval_loss": metrics.get("eval_loss"), "train_loss": output.training_loss,
-            "global_step": trainer.state.global_step,
+            "global_step": trainer.state.global_step, "layout": layout, "groups": len(trainer.optimizer.param_groups),
             "state": {k: v.detach().cpu().clone() for k, v in state.items()} if rank == 0 else None}
 
 
@@ -80,6 +102,7 @@ def assert_same(ranks: list[dict], want: dict, tolerance: float = 1e-5) -> None:
     torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]), rtol=tolerance,
                                atol=tolerance)
     assert got["lrs"] == want["lrs"]
+    assert got["groups"] == want["groups"]  # the Trainer's two groups (no decay on biases and norms), or DeepSpeed's one
     if want["eval_loss"] is not None:
         assert abs(got["eval_loss"] - want["eval_loss"]) <= tolerance * max(1.0, abs(want["eval_loss"]))
     for name, value in want["state"].items():

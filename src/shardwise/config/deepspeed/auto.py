@@ -186,7 +186,8 @@ def _mixed_precision(f: _Filler, mixed: str) -> None:
     f.data.setdefault(mixed, {"enabled": True})
     other = "bf16" if mixed == "fp16" else "fp16"
     section = f.data.get(other)
-    if isinstance(section, Mapping) and str(section.get("enabled", False)).lower() == "true":
+    named = any(problem.path == f"{other}.enabled" for problem in f.problems)  # a mismatch says it already
+    if isinstance(section, Mapping) and str(section.get("enabled", False)).lower() == "true" and not named:
         f.problems.append(Problem(f"{other}.enabled", section["enabled"], f"is on while the TrainingArguments ask for "
                                   f"{mixed}, and the Trainer's accelerator refuses both", f'set it to false or "auto", '
                                   f"or train with {other} in the TrainingArguments"))
