@@ -17,6 +17,7 @@ import torch
 from tiny_models import SEQ, VOCAB, build
 
 ROWS = 48
+MICRO_DEFAULT = 2  # per rank; one process takes the ranks' micro batches together
 
 
 def rows(count: int = ROWS, seed: int = 7) -> list[dict[str, torch.Tensor]]:
@@ -40,6 +41,21 @@ def losses(history: list[dict]) -> list[float]:
     return [entry["loss"] for entry in history if "loss" in entry]
 
 
+class StepCounter:
+    """A Trainer callback counting the optimizer steps this `train()` call ran (a resumed run runs fewer)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def __getattr__(self, name: str) -> Any:  # every other event: nothing
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        self.steps += 1
+
+
 def deepspeed_optimizers(model: torch.nn.Module, warmup_steps: int, lr: float = 1e-3) -> tuple:
     """What DeepSpeed builds from the Hugging Face configs' AdamW and WarmupLR blocks once the Trainer filled them
     (`run`'s arguments): torch's AdamW over the trainable parameters in one group, and DeepSpeed's WarmupLR (log
@@ -52,11 +68,12 @@ def deepspeed_optimizers(model: torch.nn.Module, warmup_steps: int, lr: float = 
 
 
 def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate: bool = True,
-        resume: Any = None, deepspeed_reference: bool = False, **more: Any) -> dict:
+        resume: Any = None, deepspeed_reference: bool = False, save_to: Optional[str] = None, **more: Any) -> dict:
     """One rank: train (and evaluate) a tiny GPT-2 with `kind` "plain" (transformers.Trainer) or "shardwise"
     (shardwise.hf.Trainer under the shardwise config `layout`, as `shardwise run --config` gives it).
     `deepspeed_reference`: the plain Trainer with the optimizer and schedule DeepSpeed builds from a Hugging Face
-    config (`deepspeed_optimizers`)."""
+    config (`deepspeed_optimizers`). `save_to`: then `save_model` there, and rank 0 loads it with `from_pretrained`
+    (its state dict is returned as `loaded`)."""
     import transformers
 
     if kind == "plain":
@@ -73,13 +90,20 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
     model = build("gpt2", freeze_key_bias=True)
     args = arguments(TrainingArguments, out, micro, **more)
     optimizers = deepspeed_optimizers(model, args.warmup_steps) if deepspeed_reference else (None, None)
+    counter = StepCounter()
     trainer = Trainer(model=model, args=args, train_dataset=rows(), eval_dataset=rows(16, seed=8),
-                      optimizers=optimizers)
+                      optimizers=optimizers, callbacks=[counter])
     output = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate() if evaluate else {}
     wrapped = trainer.model_wrapped
     state = wrapped.full_state_dict() if kind == "shardwise" else wrapped.state_dict()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    loaded = None
+    if save_to is not None:
+        trainer.save_model(save_to)
+        if rank == 0:
+            loaded = {k: v.clone() for k, v in
+                      transformers.AutoModelForCausalLM.from_pretrained(save_to).state_dict().items()}
     layout = {}
     if kind == "shardwise":
         from shardwise.runtime import state as runtime_state
@@ -91,7 +115,8 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
             "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
             "lrs": [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e],
             "eval_loss": metrics.get("eval_loss"), "train_loss": output.training_loss,
-            "global_step": trainer.state.global_step, "layout": layout, "groups": len(trainer.optimizer.param_groups),
+            "global_step": trainer.state.global_step, "steps_run": counter.steps, "layout": layout, "loaded": loaded,
+            "groups": len(trainer.optimizer.param_groups),
             "state": {k: v.detach().cpu().clone() for k, v in state.items()} if rank == 0 else None}
 
 
