@@ -154,6 +154,11 @@ def start_runtime(args: transformers.TrainingArguments) -> Optional[DeepSpeedPla
         problems = _disagreements(keys, args)
         if problems:
             raise ConfigError(problems)
+    layout = state.current().layout
+    if layout.tp > 1 or layout.pp > 1:
+        raise ValueError(f"shardwise.hf.Trainer runs sharded and replicated layouts; this one has "
+                         f"tensor_parallel_degree {layout.tp} and pipeline_parallel_degree {layout.pp}, which the "
+                         "Trainer front end does not build yet: use sharded_data_parallel_degree / zero_stage")
     return plan
 
 
