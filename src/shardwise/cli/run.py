@@ -10,21 +10,41 @@ from typing import Sequence
 
 from ..config import IneffectiveSettingsWarning
 from ..config.sources import load_dict, read_distribution
+from .flags import positive
+
+
+class _Given(argparse.Action):
+    """Store a flag's value; the same flag or an alias of it given again with another value is a conflict, which
+    `launch_from_args` reports in one line before anything starts (argparse would keep the last silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("given_flags", {})
+        first = given.setdefault(self.dest, (option_string, values))
+        if first[1] != values:
+            namespace.__dict__.setdefault("flag_conflicts", []).append(
+                f"{first[0]}={first[1]} and {option_string}={values} disagree; fix: give one of them")
+        setattr(namespace, self.dest, values)
 
 
 def add_launch_flags(p: argparse.ArgumentParser, default_nproc: str = "the config's mpi.processes_per_host, else the "
                      "accelerators on this node, else 1") -> None:
-    """Flags shared by `run` and `demo`: cluster shape, rendezvous, config, run directory."""
+    """Flags shared by `run` and `demo`: cluster shape, rendezvous, config, run directory. The shape flags also
+    take torchrun's and DeepSpeed's underscore spellings (--nproc_per_node, --node_rank, --master_addr, ...)."""
     shape = p.add_argument_group("cluster")
-    shape.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+    shape.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None, metavar="N", action=_Given,
                        help=f"processes on this node (default: {default_nproc})")
-    shape.add_argument("--nnodes", type=int, default=None, metavar="M", help="number of nodes (default 1)")
-    shape.add_argument("--node-rank", type=int, default=None, metavar="R", help="this node's index, 0..M-1")
-    shape.add_argument("--master-addr", default=None, metavar="ADDR", help="address of node 0 (multi-node)")
-    shape.add_argument("--master-port", type=int, default=None, metavar="PORT", help="rendezvous port (default 29500)")
-    shape.add_argument("--hostfile", default=None, metavar="FILE",
-                       help="DeepSpeed-style 'host slots=N' lines; sets --nnodes, --nproc-per-node, --master-addr "
-                            "and this node's rank from its hostname (run the same command on every host; no ssh)")
+    shape.add_argument("--nnodes", type=int, default=None, metavar="M", action=_Given,
+                       help="number of nodes (default 1)")
+    shape.add_argument("--node-rank", "--node_rank", type=int, default=None, metavar="R", action=_Given,
+                       help="this node's index, 0..M-1")
+    shape.add_argument("--master-addr", "--master_addr", default=None, metavar="ADDR", action=_Given,
+                       help="address of node 0 (multi-node)")
+    shape.add_argument("--master-port", "--master_port", type=int, default=None, metavar="PORT", action=_Given,
+                       help="rendezvous port (default 29500)")
+    shape.add_argument("-H", "--hostfile", default=None, metavar="FILE", action=_Given,
+                       help="DeepSpeed's hostfile, 'host slots=N' lines; sets --nnodes, --nproc-per-node, "
+                            "--master-addr and this node's rank from its hostname (run the same command on every "
+                            "host; no ssh)")
     conf = p.add_argument_group("config and output")
     conf.add_argument("--config", default=None, metavar="FILE",
                       help="JSON or YAML config file: config keys, or a SageMaker estimator's whole distribution dict")
@@ -38,6 +58,39 @@ def add_launch_flags(p: argparse.ArgumentParser, default_nproc: str = "the confi
                       help="restart all ranks up to K times after a failure (default 0)")
 
 
+# DeepSpeed's launcher flags that shardwise's own do not spell: a command line using one is a DeepSpeed command
+# line, whose script expects --local_rank.
+DEEPSPEED_ONLY = ("num_gpus", "num_nodes", "include", "exclude", "no_ssh")
+
+
+def add_deepspeed_flags(p: argparse.ArgumentParser) -> None:
+    """DeepSpeed's launcher flags (`deepspeed --num_gpus 4 train.py ...` runs as `shardwise run --num_gpus 4
+    train.py ...`), in its spellings and the dashed ones."""
+    ds = p.add_argument_group(
+        "DeepSpeed's launcher flags",
+        "As `deepspeed` takes them. On a node without accelerators there are no devices to pick: --include, "
+        "--exclude and --num_gpus only set how many processes start there.")
+    ds.add_argument("--num_gpus", "--num-gpus", "--num_accelerators", "--num-accelerators", type=positive(int),
+                    default=None, metavar="G", action=_Given,
+                    help="processes per node, on devices 0..G-1 of each (with --hostfile: of each host's slots)")
+    ds.add_argument("--num_nodes", "--num-nodes", type=positive(int), default=None, metavar="M", action=_Given,
+                    help="with --hostfile, run on its first M hosts; without, the same as --nnodes")
+    ds.add_argument("-i", "--include", default=None, metavar="SPEC", action=_Given,
+                    help="only these hosts and slots: NAME[:SLOT[,SLOT ...]][@NAME...], e.g. 'worker-0@worker-1:0,2' "
+                         "(all of worker-0, slots 0 and 2 of worker-1); without --hostfile the host is 'localhost'. "
+                         "A node's selected slots become its ranks' devices (CUDA_VISIBLE_DEVICES or the "
+                         "accelerator's own variable)")
+    ds.add_argument("-e", "--exclude", default=None, metavar="SPEC", action=_Given,
+                    help="every host and slot but these (same syntax as --include, and not with it)")
+    ds.add_argument("--no_ssh", "--no-ssh", action="store_true",
+                    help="accepted: shardwise never uses ssh; run the same command on every node")
+    ds.add_argument("--no_local_rank", "--no-local-rank", action="store_true",
+                    help="do not pass --local_rank to the script")
+    ds.add_argument("--pass-local-rank", action="store_true",
+                    help="pass --local_rank=<local rank> before the script's arguments, as DeepSpeed's launcher does; "
+                         "on by itself when a flag of this group but --no_local_rank is given")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run", help="launch a training script on this node's ranks",
@@ -45,6 +98,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "through torchrun's agent. Each rank's stdout and stderr go to <run-dir>/logs/rank<R>/; rank 0 "
                     "is echoed here. Exits with the first failing rank's exit code and shows its last log lines.")
     add_launch_flags(p)
+    add_deepspeed_flags(p)
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="the config's checkpoint_dir: where a preempted job (SIGTERM) saves, and where the script "
                         "finds the newest complete checkpoint to resume from after a restart")
@@ -64,10 +118,12 @@ def launch_from_args(args: argparse.Namespace, script: str, script_args: Sequenc
     for note in notes:
         print(f"shardwise {args.command}: warning: {note.message}", file=sys.stderr)
     try:
+        if getattr(args, "flag_conflicts", None):
+            raise LaunchError(args.flag_conflicts[0])
         shape = scheduler_shape(args)
         spec = resolve(script, script_args, **shape, hostfile=args.hostfile, run_dir=args.run_dir,
                        console_ranks=args.console_ranks, max_restarts=args.max_restarts,
-                       processes_per_host=distribution.processes_per_host)
+                       processes_per_host=distribution.processes_per_host, **deepspeed_selection(args))
     except LaunchError as err:
         print(f"shardwise {args.command}: {err}", file=sys.stderr)
         return 2
@@ -78,6 +134,15 @@ def launch_from_args(args: argparse.Namespace, script: str, script_args: Sequenc
     return launch(spec, data)
 
 
+def deepspeed_selection(args: argparse.Namespace) -> dict:
+    """DeepSpeed's launcher flags as `resolve` takes them (none on `demo`, which has no such flags)."""
+    if not hasattr(args, "include"):
+        return {}
+    deepspeed = any(getattr(args, name) not in (None, False) for name in DEEPSPEED_ONLY)
+    return {"include": args.include, "exclude": args.exclude, "num_nodes": args.num_nodes, "num_gpus": args.num_gpus,
+            "local_rank_arg": (args.pass_local_rank or deepspeed) and not args.no_local_rank}
+
+
 def scheduler_shape(args: argparse.Namespace) -> dict:
     """The shape flags, each one not given taken from a SLURM or PyTorchJob environment (not with a hostfile,
     which says the shape itself); the environment found is named on the console."""
@@ -85,7 +150,8 @@ def scheduler_shape(args: argparse.Namespace) -> dict:
 
     shape = {name: getattr(args, name) for name in ("nproc_per_node", "nnodes", "node_rank", "master_addr",
                                                     "master_port")}
-    found = None if args.hostfile else detect(os.environ)
+    found = None if args.hostfile or getattr(args, "include", None) or getattr(args, "exclude", None) else detect(
+        os.environ)
     if found is None:
         return shape
     print(f"shardwise {args.command}: launch environment: {found.describe()}; shape flags given win", flush=True)

@@ -3,8 +3,9 @@ agent (`torch.distributed.launcher.api.elastic_launch`), with the config validat
 one log directory per rank, and a short report of the first rank that failed.
 
 Modules: `spec` (flags → LaunchSpec → torch LaunchConfig), `hostfile` (DeepSpeed-style
-hostfiles), `rundir` (run directory and per-rank log layout), `failure` (failure summary),
-`runner` (the launch itself).
+hostfiles), `resources` (DeepSpeed's --include/--exclude/--num_nodes/--num_gpus selection),
+`environment` (a scheduler's shape; the variable that picks a node's devices), `rundir` (run
+directory and per-rank log layout), `failure` (failure summary), `runner` (the launch itself).
 """
 
 from ..config.sources import CONFIG_ENV

@@ -1,4 +1,5 @@
-"""The cluster shape a scheduler already put in the environment: SLURM, or a Kubernetes PyTorchJob.
+"""The cluster shape a scheduler already put in the environment: SLURM, or a Kubernetes PyTorchJob; and the
+variable that says which accelerators a node's ranks see.
 
 `shardwise run` with no shape flags takes this node's place from it, so the same
 command runs under `srun` on every node or in every pod; a flag given still wins.
@@ -88,3 +89,31 @@ def detect(env: Mapping[str, str]) -> Optional[Environment]:
             "MASTER_ADDR" in env and "WORLD_SIZE" in env and "LOCAL_RANK" not in env):
         return _pytorchjob(env)
     return None
+
+
+# The variable each accelerator's runtime reads to hide devices, by torch's device type (DeepSpeed's accelerators
+# set the same ones); ROCm's torch reports "cuda" and HIP honours CUDA_VISIBLE_DEVICES.
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK", "hpu": "HABANA_VISIBLE_MODULES",
+                   "npu": "ASCEND_RT_VISIBLE_DEVICES", "mlu": "MLU_VISIBLE_DEVICES"}
+
+
+def accelerator_type() -> Optional[str]:
+    """torch's accelerator here ("cuda", "xpu", ...), or None on a node without one."""
+    import torch
+
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+
+
+def visible_devices_env(slots: tuple[int, ...], env: Mapping[str, str], device_type: Optional[str]) -> dict[str, str]:
+    """The variable that shows the ranks only devices `slots` of those the launcher sees: DeepSpeed's
+    CUDA_VISIBLE_DEVICES per node, for whatever accelerator `device_type` (torch.accelerator's) is. Slots count
+    within what is already visible (a scheduler's own CUDA_VISIBLE_DEVICES=4,5,6,7 and slot 1 give 5). Nothing
+    where there is no accelerator (a CPU node has no devices to pick) or no such variable (MPS)."""
+    name = VISIBLE_DEVICES.get(device_type or "")
+    if name is None:
+        return {}
+    shown = [part.strip() for part in env.get(name, "").split(",") if part.strip()]
+    if shown and max(slots) >= len(shown):
+        raise LaunchError(f"slot {max(slots)} is not among the {len(shown)} devices {name}={env[name]} shows; "
+                          f"fix: select slots below {len(shown)}")
+    return {name: ",".join(shown[slot] if shown else str(slot) for slot in slots)}

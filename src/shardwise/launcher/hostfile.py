@@ -17,7 +17,8 @@ from typing import Iterable, Optional, Union
 
 from .errors import LaunchError
 
-_LINE = re.compile(r"^(?P<host>\S+)(?:\s+slots\s*=\s*(?P<slots>\S+))?\s*$")
+# As DeepSpeed reads it: what follows `slots=N` on the line (MPI's `max_slots=M`, ...) is ignored.
+_LINE = re.compile(r"^(?P<host>\S+)(?:\s+slots\s*=\s*(?P<slots>\S+)(?:\s+\S.*)?)?\s*$")
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class Host:
 
 
 def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
-    """Hosts in file order; `#` starts a comment, blank lines are skipped."""
+    """Hosts in file order; `#` starts a comment, blank lines are skipped, a host listed twice is an error (as
+    in DeepSpeed's `_parse_hostfile`)."""
     hosts: list[Host] = []
     seen: set[str] = set()
     for lineno, raw in enumerate(text.splitlines(), start=1):

@@ -38,12 +38,14 @@ def stop_seconds(config) -> int:
 
 def worker_env(spec: LaunchSpec, run_dir: RunDir, launch_id: str) -> dict[str, str]:
     """What every rank gets besides torchrun's RANK/WORLD_SIZE/MASTER_*: where its config and
-    run directory are, the launch's id, and a thread count that does not oversubscribe the node's cores."""
+    run directory are, the launch's id, a thread count that does not oversubscribe the node's cores, and the
+    devices DeepSpeed's selection flags picked."""
     env = {CONFIG_ENV: str(run_dir.config.resolve()), RUN_DIR_ENV: str(run_dir.root.resolve()),
            LAUNCH_ID_ENV: launch_id}
     if "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cores // spec.nproc_per_node))
+    env.update(spec.device_env)  # DeepSpeed's --include/--exclude/--num_gpus picked this node's devices
     return env
 
 
