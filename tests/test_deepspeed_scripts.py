@@ -106,9 +106,14 @@ def test_pipeline_module_on_two_stages_trains_as_one_stage(tmp_path):
 # Measured differences that are not shardwise's arithmetic (docs/deepspeed.md, "Measured against DeepSpeed").
 AGAINST_DEEPSPEED = {
     "gan": pytest.mark.xfail(reason=(
-        "the Discriminator's first update differs after identical gradients (main.3.bias |p|_1 0.0031999727 under "
-        "DeepSpeed, 0.0031999970 under shardwise, one process): the losses part by 1e-2 over the epoch"),
+        "Adam's first step amplifies the last bits of near-zero gradients (a BatchNorm bias summed with "
+        "cancellation, in another order): 2e-9 apart after one step, and a GAN's losses part by 1e-2 over the "
+        "epoch"),
         strict=False),
+    "zero.Init": pytest.mark.xfail(reason=(
+        "deepspeed.zero.Init leaves parameters on the meta device and shardwise initialises each module seeded by "
+        "its name (the same model in every layout), not with DeepSpeed's draws: training starts from other "
+        "weights"), strict=False),
     "pipeline": pytest.mark.xfail(reason=(
         "DeepSpeed draws from torch's generator between the script's seed and the first train_batch, shardwise "
         "does not: AlexNet's dropout masks differ from the first step"), strict=False),
