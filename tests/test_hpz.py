@@ -57,6 +57,18 @@ def test_secondary_groups_of_the_sharding_group_are_decided_once_for_runtime_and
     assert secondary_partition(whole, layout_for(whole, Cluster(1, WORLD))) == 0
 
 
+def test_check_config_names_the_secondary_groups_and_where_they_lie():
+    from shardwise.topology.describe import describe_layout
+
+    config = parse_config(HPZ)
+    cluster = Cluster(2, PER_NODE)
+    text = describe_layout(config, layout_for(config, cluster), cluster).splitlines()
+    assert text[2].startswith("data parallel: ZeRO-3 with ZeRO++ hpZ (after forward, parameters stay sharded over 2 "
+                              "ranks, where backward gathers them)")
+    assert text[3:5] == ["dp_shard groups (ZeRO partition, crosses nodes): [0,1,2,3]",
+                         "hpz groups (ZeRO++ hpZ secondary: backward's all-gathers, inside nodes): [0,1] [2,3]"]
+
+
 def test_needs_zero3():
     found = problems({"zero_stage": 2, "sharded_data_parallel_degree": 4, "zero_hpz_partition_size": 2},
                      Cluster(1, 4))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..config.schema import ShardwiseConfig
 from .cluster import Cluster
+from .decisions import secondary_partition
 from .layout import Layout
 
 _GROUPS = [
@@ -17,6 +18,13 @@ _GROUPS = [
 
 
 def strategy_name(config: ShardwiseConfig, layout: Layout) -> str:
+    secondary = secondary_partition(config, layout)
+    name = _sharding_name(config, layout)
+    return name + (f" with ZeRO++ hpZ (after forward, parameters stay sharded over {secondary} ranks, where "
+                   "backward gathers them)" if secondary else "")
+
+
+def _sharding_name(config: ShardwiseConfig, layout: Layout) -> str:
     stage = config.effective_zero_stage
     if stage == 0:
         return "DDP" if layout.dp > 1 else "single replica"
@@ -51,4 +59,15 @@ def describe_layout(config: ShardwiseConfig, layout: Layout, cluster: Cluster) -
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
         more = f" … (+{len(groups) - 8})" if len(groups) > 8 else ""
         lines.append(f"{name} groups ({meaning}, {where}): {shown}{more}")
+        if name == "dp_shard" and secondary_partition(config, layout):
+            lines.append(_secondary_groups(layout, secondary_partition(config, layout), cluster))
     return "\n".join(lines)
+
+
+def _secondary_groups(layout: Layout, size: int, cluster: Cluster) -> str:
+    """ZeRO++ hpZ's groups: each sharding group's ranks, `size` neighbours at a time."""
+    groups = [g[i:i + size] for g in layout.groups("dp_shard") for i in range(0, len(g), size)]
+    where = "crosses nodes" if any(len({cluster.node_of(r) for r in g}) > 1 for g in groups) else "inside nodes"
+    shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
+    more = f" … (+{len(groups) - 8})" if len(groups) > 8 else ""
+    return f"hpz groups (ZeRO++ hpZ secondary: backward's all-gathers, {where}): {shown}{more}"
