@@ -1,10 +1,12 @@
-"""`shardwise.hf.Trainer` trains as `transformers.Trainer` does in one process, in every sharding layout.
+"""`shardwise.hf.Trainer` trains as `transformers.Trainer` does in one process, in every layout it runs.
 
 Each layout runs the same Trainer script (a tiny GPT-2, gradient accumulation 2, clipping at 1.0, a linear
 schedule with warmup, labels partly masked so `num_items_in_batch` differs between ranks and micro-steps) with
 only the import changed and the layout given as `shardwise run --config` gives it; the reference is
 transformers' own Trainer in one process with the ranks' micro batches together. Compared: the loss and
 gradient norm the Trainer logs at every step, the learning rates, the evaluation loss and the final weights.
+Under tensor parallelism the ranks of a tensor-parallel group share one batch (the Trainer's batches are dealt
+to the replicas), as transformers' own tensor parallelism has it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,31 @@ def test_trains_and_evaluates_as_one_process(layout, reference, tmp_path):
     assert ranks[0]["global_step"] == 3
 
 
+def test_tensor_parallel_with_zero3_trains_and_evaluates_as_one_process(reference, tmp_path):
+    """2 tensor-parallel ranks per replica, 2 ZeRO-3 replicas: 4 ranks, 2 batches per step."""
+    layout = {"tensor_parallel_degree": 2, "prescaled_batch": True, "sharded_data_parallel_degree": 2}
+    ranks = run_distributed(run, 4, "shardwise", str(tmp_path), MICRO, layout, timeout=300)
+    assert_same(ranks, reference)
+
+
+def _refusal(out: str, layout: dict) -> str:
+    try:
+        run("shardwise", out, MICRO, layout, evaluate=False)
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_layouts_the_trainer_does_not_run_are_refused(tmp_path):
+    tp, pp = run_distributed(_refusal, 2, str(tmp_path), {"tensor_parallel_degree": 2}, timeout=120)[0], \
+        run_distributed(_refusal, 2, str(tmp_path), {"pipeline_parallel_degree": 2}, timeout=120)[0]
+    assert tp == ("invalid shardwise config: prescaled_batch=False: the Hugging Face Trainer gives the ranks of a "
+                  "tensor-parallel group one batch (per_device_train_batch_size rows), as transformers' tensor "
+                  "parallelism does; fix: set prescaled_batch: true with tensor_parallel_degree")
+    assert pp.startswith("shardwise.hf.Trainer does not run pipelines yet (pipeline_parallel_degree 2)")
+
+
+@pytest.mark.slow
 def test_mics_trains_as_one_process(tmp_path):
     """ZeRO-3 in partition groups of 2, replicated twice: 4 ranks against one process with 4 micro batches."""
     want = run_distributed(run, 1, "plain", str(tmp_path / "plain"), 4 * MICRO, timeout=300)[0]

@@ -21,6 +21,11 @@ Trainer methods overridden (trainer.py), by the Trainer method that calls each:
 Trainer members used: `_save` (writes `save_pretrained`'s files from a state dict, from `save_model`) and
 `_created_lr_scheduler` (a later `train()` rebuilds a schedule the Trainer built).
 
+accelerate, under tensor parallelism only (replicas.py): the accelerator's `prepare_data_loader` and
+`gather_for_metrics` are replaced on the Trainer's instance by ones over the model replicas, the first calling
+accelerate's public `prepare_data_loader` with the replicas' count and index as its own does with the ranks'
+(and adding to `Accelerator._dataloaders`, as its own does).
+
 accelerate: `Accelerator._optimizers` (its `optimizer_step_was_skipped` asks each for `step_was_skipped`: the
 DistributedOptimizer is added there, as accelerate adds its own wrappers), `Accelerator.scaler` (its `backward`
 scales by it: shardwise's fp16 loss scale stands in), `AcceleratorState._reset_state` (the process state is a

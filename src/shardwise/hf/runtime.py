@@ -154,11 +154,14 @@ def start_runtime(args: transformers.TrainingArguments) -> Optional[DeepSpeedPla
         problems = _disagreements(keys, args)
         if problems:
             raise ConfigError(problems)
-    layout = state.current().layout
-    if layout.tp > 1 or layout.pp > 1:
-        raise ValueError(f"shardwise.hf.Trainer runs sharded and replicated layouts; this one has "
-                         f"tensor_parallel_degree {layout.tp} and pipeline_parallel_degree {layout.pp}, which the "
-                         "Trainer front end does not build yet: use sharded_data_parallel_degree / zero_stage")
+    runtime = state.current()
+    if runtime.layout.pp > 1:
+        raise ValueError(f"shardwise.hf.Trainer does not run pipelines yet (pipeline_parallel_degree "
+                         f"{runtime.layout.pp}): use tensor_parallel_degree, sharded_data_parallel_degree or zero_stage")
+    if runtime.layout.tp > 1 and not runtime.config.prescaled_batch:
+        raise ConfigError([Problem("prescaled_batch", False, "the Hugging Face Trainer gives the ranks of a tensor-"
+                                   "parallel group one batch (per_device_train_batch_size rows), as transformers' "
+                                   "tensor parallelism does", "set prescaled_batch: true with tensor_parallel_degree")])
     return plan
 
 

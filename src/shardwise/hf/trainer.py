@@ -21,14 +21,17 @@ The private Trainer methods overridden here are listed, with why, in internals.p
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..api.configured import _torch_optimizer, build_scheduler
 from ..api.model import DistributedModel
@@ -38,6 +41,8 @@ from ..checkpoint.resume import resume_from_checkpoint
 from ..checkpoint.save import save_checkpoint
 from ..runtime import state
 from ..runtime.init import warn_ineffective
+from ..torch_internals import tree_map_only
+from . import replicas
 from .runtime import DeepSpeedPlan, adopt_world, start_runtime
 
 CHECKPOINT_TAG = "shardwise"  # the shardwise checkpoint inside a Trainer's checkpoint folder
@@ -142,9 +147,18 @@ class ShardwiseTrainerMixin:
         self.is_deepspeed_enabled = False  # the DeepSpeed config runs on shardwise, not through accelerate
         self.is_fsdp_enabled = False
         self.accelerator.scaler = None  # shardwise scales fp16 losses (set with the model, _ScaledBackward)
+        if replicas.replica_count() < dist.get_world_size():  # tensor parallelism: a replica spans several ranks
+            replicas.install(self.accelerator)
+            self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
+                                                     use_gather_object=self.args.eval_use_gather_object)
         if self.args.torch_compile:
             warn_ineffective([("TrainingArguments(torch_compile=True)", "shardwise.hf does not compile the model; "
                                "compile it in the script before the Trainer wraps it")])
+
+    def get_tp_size(self) -> int:
+        """The ranks sharing one batch (tensor-parallel peers): the Trainer divides its token counts and batch
+        sizes by this, as for transformers' own tensor parallelism."""
+        return dist.get_world_size() // replicas.replica_count()
 
     # ----- the model -----
 
@@ -226,6 +240,20 @@ class ShardwiseTrainerMixin:
         # The Trainer marks its accumulation boundary (sync_gradients) before each micro-step: gradients reduce there.
         with self.shardwise_model.microbatch_context(last=self.accelerator.sync_gradients):
             return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """The Trainer's loss; a tensor-parallel model's vocabulary-parallel loss and logits come back as whole
+        tensors (the Trainer adds, logs and gathers plain ones)."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        return tree_map_only(DTensor, lambda t: t.full_tensor(), result)
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: Optional[list[str]] = None) -> tuple:
+        # An evaluation step in the model's step context too (a vocabulary-parallel loss needs it).
+        with self.shardwise_model.microbatch_context(last=True):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         return self.optimizer.norm_to_log()  # the step clips (gradient_clipping = max_grad_norm)
