@@ -6,7 +6,8 @@ interleaved, so micro-batch k of every rank together is micro-batch k of one pro
 `ranks` times larger: that process, with the same accumulation, is the reference.
 
 - every `initialize` form (args with --deepspeed_config, config=, config_params=, a given optimizer, a
-  callable one over param-group dicts, a given or callable scheduler, collate_fn) at ZeRO 0-3 on 2 ranks;
+  callable one over param-group dicts, a given or callable scheduler, collate_fn) at ZeRO 0-3 on 2 ranks,
+  ZeRO-1 and ZeRO-3 on 4, and MiCS (mics_shard_size) on 4;
 - DeepSpeed's counters, learning rates and accumulation boundary;
 - two engines in one script (a GAN's generator and discriminator);
 - save_checkpoint/load_checkpoint with client state and the `latest` tag, resumed in another layout;
@@ -128,6 +129,13 @@ def test_every_initialize_form_trains_as_one_process(form, stage, references, tm
     config = dict(BASE, zero_optimization={"stage": stage})
     ranks = run_distributed(train, 2, form, config, MICRO, str(tmp_path))
     _assert_same(ranks, references[{"args": "config", "config_params": "config"}.get(form, form)])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_four_ranks_train_as_one_process(stage, references, tmp_path):
+    config = dict(BASE, zero_optimization={"stage": stage})
+    ranks = run_distributed(train, 4, "callables", config, MICRO // 2, str(tmp_path))
+    _assert_same(ranks, references["callables"])
 
 
 def test_scheduler_steps_only_at_the_boundary(references):
