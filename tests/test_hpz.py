@@ -145,6 +145,23 @@ def test_planner_gathers_backward_inside_the_secondary_group_and_it_stays_in_the
     assert hpz.data_parallel < plain.data_parallel
 
 
+def test_the_plan_proposes_hpz_where_zero3_spans_nodes_and_ranks_it_by_its_time():
+    """On 4 nodes of 8 A100s, ZeRO-3 over all 32 ranks is also planned with hpZ over each node's 8: faster (only
+    forward's gathers leave the node) and larger by the secondary shards; never with TP or PP, nor within a node."""
+    from shardwise.planner import plan
+
+    spec = spec_from_hf({**GPT2_6, "n_layer": 24, "n_embd": 2048, "n_head": 16}, "gpt2")
+    result = plan(spec, cluster_preset("4xp4d.24xlarge"), global_batch=32, seq=512)
+    zero3 = {e.config.get("zero_hpz_partition_size", 0): e for e in result.considered
+             if e.layout == Layout(dp_shard=32) and e.zero_stage == 3 and e.checkpointing == "none"}
+    assert set(zero3) == {0, 8}
+    assert zero3[8].step_time < zero3[0].step_time
+    extra = zero3[8].memory.gathered_params - zero3[0].memory.gathered_params
+    assert extra == pytest.approx(2 * 24 * spec.layer_parameters / 8)  # bf16 halves of 24 blocks on 8 ranks
+    assert all(e.layout.tp == e.layout.pp == 1 and e.layout.dp_shard > 8 and e.zero_stage == 3
+               for e in result.considered if e.config.get("zero_hpz_partition_size"))
+
+
 # --- the runtime: bytes per collective and group, memory after forward ------------------------------------
 
 

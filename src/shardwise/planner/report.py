@@ -41,8 +41,10 @@ def checkpointing_call(strategy: str) -> str:
 
 
 def _sharding(e: Evaluation) -> str:
-    """`strategy`, `offload` added when the optimizer's states live in host memory."""
-    return strategy(e) + (" offload" if e.config.get("offload_optimizer_state") else "")
+    """`strategy`, `hpZ n` added under ZeRO++ hpZ, `offload` when the optimizer's states live in host memory."""
+    hpz = e.config.get("zero_hpz_partition_size", 1)
+    return (strategy(e) + (f" hpZ {hpz}" if hpz > 1 else "")
+            + (" offload" if e.config.get("offload_optimizer_state") else ""))
 
 
 def _tensor_parallel(e: Evaluation) -> str:

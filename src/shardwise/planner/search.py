@@ -1,7 +1,7 @@
 """Enumerate configurations for a model on a cluster, predict each, keep the fitting ones ranked.
 
-A *layout considered* is one choice of degrees (tp, pp, MiCS group), ZeRO stage and
-checkpointing strategy (SMP's names: activations.CHECKPOINTING). For each, the microbatch count, activation and optimizer-state
+A *layout considered* is one choice of degrees (tp, pp, MiCS group), ZeRO stage (ZeRO-3 across
+nodes also with ZeRO++ hpZ inside each node) and checkpointing strategy (SMP's names: activations.CHECKPOINTING). For each, the microbatch count, activation and optimizer-state
 offload and sequence parallelism are chosen here: the fastest variant that fits, else
 the one needing the least memory (whose overflow `--explain` reports). Offloading is
 slower, so it is proposed only where it makes a layout fit, and never on a device
@@ -13,6 +13,7 @@ release lacks is never proposed, and is again once a release builds it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Iterator, Mapping, NamedTuple, Optional, Union
@@ -80,7 +81,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, group: int = 1,
-                microbatches: int = 1, offload: bool = False, sequence_parallel: bool = False) -> dict:
+                microbatches: int = 1, offload: bool = False, sequence_parallel: bool = False, hpz: int = 0) -> dict:
     """The config keys for one candidate, leaving defaults out so the plan reads like a hand-written config.
 
     No `active_microbatches`: under the default 1f1b a round of pp or more changes nothing (pp stay in
@@ -99,6 +100,8 @@ def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, gro
         d["shard_optimizer_state"] = True
     elif stage >= 2:
         d.update(zero_stage=stage, sharded_data_parallel_degree=group)
+    if hpz:
+        d["zero_hpz_partition_size"] = hpz
     if precision != "fp32":
         d[precision] = True
     if offload:
@@ -140,6 +143,7 @@ class _Choice(NamedTuple):
     group: int           # ZeRO-2/3 partition-group size (MiCS when below the data-parallel degree)
     checkpointing: str
     sequence: tuple[bool, ...] = (False,)   # sequence_parallel settings to try
+    hpz: int = 0         # ZeRO++ hpZ's secondary group (0: off)
 
     def requested_layout(self, world: int) -> Layout:
         dp = world // (self.tp * self.pp)
@@ -193,12 +197,12 @@ def _variants(choice: _Choice, precision: str, batch: int, host: bool) -> Iterat
     """Microbatching, activation offload and sequence parallelism for one choice: microbatch counts dividing
     the replica's batch, activation offload with checkpointing, pipelining and m > 1 where the device has
     memory apart from the `host`'s, sequence parallelism where `_considered` found it allowed."""
-    tp, pp, stage, group, checkpointing, sequence = choice
+    tp, pp, stage, group, checkpointing, sequence, hpz = choice
     for m in (m for m in _powers_of_two(batch) if batch % m == 0):
         offloads = [False, True] if host and pp > 1 and checkpointing != "none" and m > 1 else [False]
         for offload, sp in product(offloads, sequence):
             yield config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
-                              offload=offload, sequence_parallel=sp)
+                              offload=offload, sequence_parallel=sp, hpz=hpz)
 
 
 def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch: int, seq: int,
@@ -227,15 +231,20 @@ def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch:
     return min(results, key=lambda e: e.memory.total)
 
 
-def _sharding_choices(dp: int) -> list[tuple[int, int]]:
-    """(ZeRO stage, partition group): DDP; with dp > 1 also ZeRO-1, and ZeRO-2/3 in every group size.
+def _sharding_choices(dp: int, per_node: int, plain: bool) -> list[tuple[int, int, int]]:
+    """(ZeRO stage, partition group, hpZ group): DDP; with dp > 1 also ZeRO-1, and ZeRO-2/3 in every group size;
+    ZeRO-3 over a group that spans nodes also with ZeRO++ hpZ over each node's share of it, where the layout
+    allows it (`plain`: no tensor or pipeline parallelism).
 
     ZeRO-1 of one replica shards nothing: in fp32 it is DDP, and in bf16/fp16 its half-precision
     parameters (2a) come with fp32 masters and master gradients of the whole model: 18a with Adam's
     moments, where DDP keeps 16a."""
     if dp == 1:
-        return [(0, 1)]
-    return [(0, 1), (1, 1)] + [(stage, group) for group in _divisors(dp)[1:] for stage in (2, 3)]
+        return [(0, 1, 0)]
+    sharded = [(stage, group, 0) for group in _divisors(dp)[1:] for stage in (2, 3)]
+    hpz = [(3, group, math.gcd(group, per_node)) for group in _divisors(dp)[1:]
+           if plain and 1 < math.gcd(group, per_node) < group]
+    return [(0, 1, 0), (1, 1, 0)] + sharded + hpz
 
 
 def _degree_problems(spec: ModelSpec, cluster: ClusterSpec, d: dict, layout: Layout, global_batch: int,
@@ -271,11 +280,11 @@ def _considered(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: i
                     yield _rejected(with_sp, layout, 0, problems, "none", global_batch // dp)
                 else:
                     sequence = (False, True)
-            for stage, group in _sharding_choices(dp):
+            for stage, group, hpz in _sharding_choices(dp, cluster.devices_per_node, tp == pp == 1):
                 groups = spec.sequential_blocks and not spec.graph_stages(pp)
                 policies = not (spec.traced or spec.graph_stages(pp))
                 for checkpointing in distinct_strategies(spec.stage_layers(pp), groups, policies):
-                    yield _best_variant(spec, cluster, _Choice(tp, pp, stage, group, checkpointing, sequence),
+                    yield _best_variant(spec, cluster, _Choice(tp, pp, stage, group, checkpointing, sequence, hpz),
                                         global_batch // dp, seq, precision)
 
 
