@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from tiny_models import SEQ, VOCAB, build
+from tiny_models import SEQ, VOCAB, build, relative_error
 
 ROWS = 48
 MICRO_DEFAULT = 2  # per rank; one process takes the ranks' micro batches together
@@ -96,7 +96,7 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
     output = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate() if evaluate else {}
     wrapped = trainer.model_wrapped
-    state = wrapped.full_state_dict() if kind == "shardwise" else wrapped.state_dict()
+    state = wrapped.full_state_dict() if kind == "shardwise" else trainer.model.state_dict()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     loaded = None
     if save_to is not None:
@@ -120,7 +120,7 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
             "state": {k: v.detach().cpu().clone() for k, v in state.items()} if rank == 0 else None}
 
 
-def assert_same(ranks: list[dict], want: dict, tolerance: float = 1e-5) -> None:
+def assert_same(ranks: list[dict], want: dict, tolerance: float = 1e-5, state_tolerance: Optional[float] = None) -> None:
     got = ranks[0]
     assert len(got["losses"]) == len(want["losses"])
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=tolerance, atol=tolerance)
@@ -130,9 +130,9 @@ def assert_same(ranks: list[dict], want: dict, tolerance: float = 1e-5) -> None:
     assert got["decays"] == want["decays"]  # the Trainer's groups (no decay on biases and norms), or DeepSpeed's one
     if want["eval_loss"] is not None:
         assert abs(got["eval_loss"] - want["eval_loss"]) <= tolerance * max(1.0, abs(want["eval_loss"]))
-    for name, value in want["state"].items():
+    for name, value in want["state"].items():  # relative to each tensor's norm, as tiny_models compares
         if name in got["state"]:
-            torch.testing.assert_close(got["state"][name], value, rtol=tolerance, atol=tolerance, msg=name)
+            assert relative_error(got["state"][name], value) <= (state_tolerance or tolerance), name
     assert set(got["state"]) <= set(want["state"])
     for other in ranks[1:]:  # every rank logs the same (the Trainer averages over ranks)
         assert other["losses"] == got["losses"]

@@ -65,3 +65,19 @@ def test_mics_trains_as_one_process(tmp_path):
     ranks = run_distributed(run, 4, "shardwise", str(tmp_path / "mics"), MICRO, {"sharded_data_parallel_degree": 2},
                             timeout=300)
     assert_same(ranks, want)
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(tmp_path_factory) -> dict:
+    return run_distributed(run, 1, "plain", str(tmp_path_factory.mktemp("plain_bf16")), 2 * MICRO, bf16=True,
+                           use_cpu=True, timeout=300)[0]
+
+
+@pytest.mark.parametrize("layout", [{"sharded_data_parallel_degree": 2}, {"shard_optimizer_state": True}],
+                         ids=["zero3", "zero1"])
+def test_bf16_trains_as_one_process_in_bf16(layout, reference_bf16, tmp_path):
+    """bf16=True (with use_cpu=True, which transformers asks for bf16 on a CPU): shardwise computes in bf16 with
+    fp32 master weights where transformers' Trainer autocasts, so the two agree to bf16's precision (the weights
+    near zero, the norms' biases, to a few hundredths of their size)."""
+    ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, bf16=True, use_cpu=True, timeout=300)
+    assert_same(ranks, reference_bf16, tolerance=5e-3, state_tolerance=3e-2)
