@@ -243,8 +243,9 @@ def test_devices_count_within_what_a_scheduler_already_shows():
     (dict(include="node-a@node-b:0,1"), "hostfile {h}: the selected nodes have different numbers of slots (node-a=4, "
                                         "node-b=2), and shardwise runs as many processes on every node; fix: give "
                                         "every node the same slots=N, or select as many slots on each"),
-    (dict(include="node-a:0@node-b:0", nproc_per_node=2), "--nproc-per-node=2 disagrees with hostfile {h} (1); fix: "
-                                                          "drop --nproc-per-node or edit the hostfile or the selection"),
+    (dict(include="node-a:0@node-b:0", nproc_per_node=2),
+     "--nproc-per-node=2 disagrees with hostfile {h} (1); fix: drop --nproc-per-node or edit the hostfile or the "
+     "selection"),
 ])
 def test_resolution_refusals_are_one_line_with_the_fix(script, hostfile, on_node_b, kwargs, message):
     with pytest.raises(LaunchError) as err:

@@ -255,8 +255,9 @@ def test_the_planner_predicts_the_measured_bytes(measured):
         predicted = {(c.name, c.axis): c.bytes_per_step for c in
                      predict_step_time(spec, config, layout, cluster, ROWS, SEQ).collectives if "all-gather" in c.name}
         gathers = _gathers(measured[name][0])
-        assert predicted == {("parameter all-gather (overlaps forward)", "dp_shard"): gathers["forward", SHARD, WORLD][1],
-                             ("parameter all-gather (overlaps backward)", "hpz"): gathers["backward", "hpz", PER_NODE][1]}
+        assert predicted == {
+            ("parameter all-gather (overlaps forward)", "dp_shard"): gathers["forward", SHARD, WORLD][1],
+            ("parameter all-gather (overlaps backward)", "hpz"): gathers["backward", "hpz", PER_NODE][1]}
 
 
 def test_with_mics_partition_groups_only_the_gradient_all_reduce_leaves_a_node():

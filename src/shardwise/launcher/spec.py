@@ -155,8 +155,10 @@ def _selection(hostfile: Optional[str], include: Optional[str], exclude: Optiona
     if num_nodes is not None and num_nodes > 1:
         raise LaunchError(f"--num_nodes={num_nodes} with --include/--exclude needs the hosts; fix: pass --hostfile")
     source = "this node alone (no --hostfile)"
-    return select({LOCALHOST: local_slots()}, include=include, exclude=exclude, num_gpus=num_gpus, source=source,
-                  unknown_fix="pass --hostfile listing the hosts, or select this node as 'localhost'"), source, [LOCALHOST]
+    fix = "pass --hostfile listing the hosts, or select this node as 'localhost'"
+    selected = select({LOCALHOST: local_slots()}, include=include, exclude=exclude, num_gpus=num_gpus, source=source,
+                      unknown_fix=fix)
+    return selected, source, [LOCALHOST]
 
 
 def _place(selected: dict[str, Optional[list[int]]], source: str, listed: list[str], nnodes: Optional[int],
