@@ -28,9 +28,10 @@ MODES = {
     "zero3": {"sharded_data_parallel_degree": WORLD},
     "zero2": {"zero_stage": 2, "sharded_data_parallel_degree": WORLD},
     "mics": {"sharded_data_parallel_degree": 2},
+    "zero3-hpz": {"sharded_data_parallel_degree": WORLD, "zero_hpz_partition_size": 2},  # ZeRO++'s secondary groups
     "ddp": {},
 }
-SHARDED = ("zero3", "zero2", "mics")
+SHARDED = ("zero3", "zero2", "mics", "zero3-hpz")
 
 
 def _peak_bytes(tracker: MemTracker) -> int:
