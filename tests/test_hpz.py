@@ -57,6 +57,14 @@ def test_secondary_groups_of_the_sharding_group_are_decided_once_for_runtime_and
     assert secondary_partition(whole, layout_for(whole, Cluster(1, WORLD))) == 0
 
 
+def test_a_size_of_the_whole_sharding_group_or_more_is_plain_zero3_as_deepspeed_clamps_it():
+    """A DeepSpeed config made for nodes of 8 runs on one node of 4, and in one process."""
+    for cluster in (Cluster(1, 4), Cluster(1, 1)):
+        assert problems({"zero_stage": 3, "zero_hpz_partition_size": 8}, cluster) == []
+        config = parse_config({"zero_stage": 3, "zero_hpz_partition_size": 8})
+        assert secondary_partition(config, layout_for(config, cluster)) == 0
+
+
 def test_check_config_names_the_secondary_groups_and_where_they_lie():
     from shardwise.topology.describe import describe_layout
 

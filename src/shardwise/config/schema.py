@@ -61,7 +61,8 @@ class ShardwiseConfig(SmpOnlySettings):
         1, ge=1, description="ZeRO++ hpZ (DeepSpeed's name), ZeRO-3 only: after a unit's forward its parameters stay "
         "sharded over a secondary group of this many ranks inside a node, so backward all-gathers them there instead "
         "of over the whole sharding group; costs parameters / this size per rank in the compute dtype from forward "
-        "to backward. 1 = off; must divide the sharding group and the ranks per node.")
+        "to backward. 1 = off; must divide the sharding group and the ranks per node; the whole sharding group or "
+        "more is plain ZeRO-3.")
     shard_optimizer_state: bool = Field(False, description="ZeRO-1: shard optimizer states over data-parallel ranks.")
     tensor_parallel_degree: int = Field(1, ge=1, description="Ranks inside a node that split each layer.")
     sequence_parallel: bool = Field(False, description="With tensor parallelism, shard the activations between the "

@@ -61,7 +61,8 @@ def shards_optimizer_state(config: ShardwiseConfig, layout: Layout) -> bool:
 def secondary_partition(config: ShardwiseConfig, layout: Layout) -> int:
     """ZeRO++ hpZ: how many ranks a ZeRO-3 unit's parameters stay sharded over between its forward and its backward
     (FSDP2's `reshard_after_forward=<int>`), or 0 where they are re-sharded over the whole sharding group as plain
-    ZeRO-3 does. A secondary group as large as the sharding group is that same plain ZeRO-3."""
+    ZeRO-3 does. A secondary group as large as the sharding group or larger is that same plain ZeRO-3 (DeepSpeed
+    clamps the size to the world)."""
     size = config.zero_hpz_partition_size
     sharded = wrapping(config, layout) is Wrapping.SHARDED and config.effective_zero_stage == 3
     return size if sharded and 1 < size < layout.dp_shard else 0

@@ -151,10 +151,12 @@ def layout_problems(config: ShardwiseConfig, cluster: Cluster) -> tuple[Optional
 def _hpz_problems(config: ShardwiseConfig, layout: Layout, cluster: Cluster) -> list[Problem]:
     """ZeRO++ hpZ's secondary groups split each sharding group into groups of `zero_hpz_partition_size`
     neighbouring ranks. Without tensor or pipeline parallelism (config/hpz.py refuses both) a sharding group's
-    ranks are consecutive, so a size that divides the ranks per node keeps every secondary group on one node."""
+    ranks are consecutive, so a size that divides the ranks per node keeps every secondary group on one node. A
+    size of the whole sharding group or more is plain ZeRO-3, as DeepSpeed clamps it to the world: a DeepSpeed
+    config made for large nodes still runs on a small machine or in one process."""
     size, shard = config.zero_hpz_partition_size, layout.dp_shard
-    if size == 1 or config.effective_zero_stage != 3:
-        return []  # off, or refused without ZeRO-3 already
+    if size == 1 or config.effective_zero_stage != 3 or size >= shard:
+        return []  # off, refused without ZeRO-3 already, or plain ZeRO-3
     problems = []
     if shard % size:
         problems.append(Problem(HPZ, size, f"must divide the sharding group's {shard} ranks "
