@@ -17,7 +17,21 @@ import torch
 from tiny_models import SEQ, VOCAB, build, relative_error
 
 ROWS = 48
+WORDS = "the a model trains on many devices by changing a config not the loop one process or four".split()
 MICRO_DEFAULT = 2  # per rank; one process takes the ranks' micro batches together
+
+
+def tiny_tokenizer(folder: Any) -> str:
+    """A word-level tokenizer over WORDS, saved where transformers' AutoTokenizer loads it (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate(["<unk>", "<eos>", *dict.fromkeys(WORDS)])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<eos>", bos_token="<eos>",
+                            pad_token="<eos>").save_pretrained(folder)
+    return str(folder)
 
 
 def rows(count: int = ROWS, seed: int = 7) -> list[dict[str, torch.Tensor]]:

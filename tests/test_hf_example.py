@@ -17,25 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from hf_trainer_cases import WORDS, tiny_tokenizer
 from shardwise.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hf" / "train_clm.py"
 ZERO2 = ROOT / "tests" / "data" / "deepspeed_configs" / "hf_transformers_ds_config_zero2.json"
-WORDS = "the a model trains on many devices by changing a config not the loop one process or four".split()
-
-
-def _tokenizer(folder: Path) -> str:
-    """A word-level tokenizer over WORDS, saved as transformers loads one (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {word: i for i, word in enumerate(["<unk>", "<eos>", *dict.fromkeys(WORDS)])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<eos>", bos_token="<eos>",
-                            pad_token="<eos>").save_pretrained(folder)
-    return str(folder)
 
 
 def _text(path: Path) -> str:
@@ -47,7 +34,7 @@ def _text(path: Path) -> str:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("clm")
-    return {"tokenizer": _tokenizer(tmp / "tokenizer"), "text": _text(tmp / "train.txt")}
+    return {"tokenizer": tiny_tokenizer(tmp / "tokenizer"), "text": _text(tmp / "train.txt")}
 
 
 def _arguments(inputs: dict, out: Path, micro: int) -> list[str]:
