@@ -361,12 +361,21 @@ def test_plan_predicts_a_deepspeed_config(tmp_path, capsys, name, strategy, degr
     assert "global batch 64 × seq 512, bf16: 1 of 1 layouts fit" in out and strategy in out and degrees in out
 
 
-@pytest.mark.skipif("zero_hpz_partition_size" not in field_names(),
-                    reason="the shardwise key zero_hpz_partition_size is not in the schema yet")
 def test_hpz_partition_size_reaches_its_shardwise_key():
     data = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}
     assert translate(data).config["zero_hpz_partition_size"] == 4
     assert validate(load_dict(data), Cluster(2, 4))[0].zero_hpz_partition_size == 4
+
+
+def test_hpz_off_and_outside_stage_3_is_as_deepspeed_reads_it():
+    """0 and 1 are no secondary partition; below stage 3 DeepSpeed does not use it, so it is listed, not refused."""
+    for size in (0, 1):
+        assert "zero_hpz_partition_size" not in translate({"zero_optimization": {"stage": 3,
+                                                                                 "zero_hpz_partition_size": size}}).config
+    t = translate({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 4}})
+    assert "zero_hpz_partition_size" not in t.config
+    assert ("zero_optimization.zero_hpz_partition_size", "4: only ZeRO-3 keeps a secondary partition of the "
+            "parameters (DeepSpeed uses it at stage 3 only)") in t.ignored
 
 
 def test_hpz_partition_size_is_translated():
@@ -428,7 +437,8 @@ def test_public_configs_deepspeed_would_not_run_are_refused(name):
 
 def test_the_guide_has_a_row_for_every_key():
     guide = (Path(__file__).resolve().parents[1] / "docs" / "deepspeed.md").read_text()
-    section = guide[guide.index("## Config keys"):guide.index("## Running a DeepSpeed script")]
+    start = guide.index("## Config keys")
+    section = guide[start:guide.index("\n## ", start + 1)]
     named = {name for line in section.splitlines() if line.startswith("| `")
              for name in re.findall(r"`([^`]+)`", line.split(" | ")[0])}
     assert set(TOP_LEVEL) - named == set()

@@ -66,6 +66,19 @@ OFFLOAD_OPTIMIZER_KEYS = ("device", "nvme_path", "buffer_count", "pin_memory", "
 OFFLOAD_PARAM_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")
 
 
+def _hpz(t: Translation, section: Any, stage: Any) -> None:
+    """ZeRO++'s secondary partition: DeepSpeed reads 0 and 1 as none, and only stage 3 uses one."""
+    size = section.get("zero_hpz_partition_size", 1)
+    if size in (0, 1):
+        return
+    path = "zero_optimization.zero_hpz_partition_size"
+    if stage != 3:
+        t.ignore(path, f"{size}: only ZeRO-3 keeps a secondary partition of the parameters (DeepSpeed uses it at "
+                       "stage 3 only)")
+        return
+    t.set("zero_hpz_partition_size", size, path)
+
+
 def translate_zero(t: Translation, section: Any) -> None:
     """The stage, MiCS, hpZ and offloading are honoured; FSDP2 does the rest its own way (each key listed)."""
     name = "zero_optimization"
@@ -81,8 +94,7 @@ def translate_zero(t: Translation, section: Any) -> None:
     if "stage" in section:
         t.set("zero_stage", stage, f"{name}.stage")
     _mics(t, section, stage)
-    if section.get("zero_hpz_partition_size", 1) != 1:  # 1, DeepSpeed's default, is no secondary partition
-        t.set("zero_hpz_partition_size", section["zero_hpz_partition_size"], f"{name}.zero_hpz_partition_size")
+    _hpz(t, section, stage)
     _offload(t, section, stage)
     for key, value in section.items():
         path = f"{name}.{key}"
