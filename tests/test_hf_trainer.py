@@ -81,3 +81,11 @@ def test_bf16_trains_as_one_process_in_bf16(layout, reference_bf16, tmp_path):
     near zero, the norms' biases, to a few hundredths of their size)."""
     ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, bf16=True, use_cpu=True, timeout=300)
     assert_same(ranks, reference_bf16, tolerance=5e-3, state_tolerance=3e-2)
+
+
+def test_fp16_trains_as_one_process_to_fp16_precision(reference, tmp_path):
+    """fp16=True under ZeRO-3: fp16 compute with shardwise's loss scale and fp32 masters, the Trainer's default
+    fused AdamW included; transformers' Trainer on a CPU trains in fp32, so that is the reference."""
+    layout = {"sharded_data_parallel_degree": 2}
+    ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, fp16=True, use_cpu=True, timeout=300)
+    assert_same(ranks, reference, tolerance=5e-3, state_tolerance=3e-2)
