@@ -5,8 +5,8 @@ schedule with warmup, labels partly masked so `num_items_in_batch` differs betwe
 only the import changed and the layout given as `shardwise run --config` gives it; the reference is
 transformers' own Trainer in one process with the ranks' micro batches together. Compared: the loss and
 gradient norm the Trainer logs at every step, the learning rates, the evaluation loss and the final weights.
-Under tensor parallelism the ranks of a tensor-parallel group share one batch (the Trainer's batches are dealt
-to the replicas), as transformers' own tensor parallelism has it.
+Under tensor and pipeline parallelism the ranks of a tensor-parallel group and the stages of a pipeline share one
+batch (the Trainer's batches are dealt to the model replicas), as transformers' own tensor parallelism has it.
 """
 
 from __future__ import annotations
@@ -49,13 +49,37 @@ def _refusal(out: str, layout: dict) -> str:
     return "trained"
 
 
-def test_layouts_the_trainer_does_not_run_are_refused(tmp_path):
-    tp, pp = run_distributed(_refusal, 2, str(tmp_path), {"tensor_parallel_degree": 2}, timeout=120)[0], \
-        run_distributed(_refusal, 2, str(tmp_path), {"pipeline_parallel_degree": 2}, timeout=120)[0]
-    assert tp == ("invalid shardwise config: prescaled_batch=False: the Hugging Face Trainer gives the ranks of a "
-                  "tensor-parallel group one batch (per_device_train_batch_size rows), as transformers' tensor "
-                  "parallelism does; fix: set prescaled_batch: true with tensor_parallel_degree")
-    assert pp.startswith("shardwise.hf.Trainer does not run pipelines yet (pipeline_parallel_degree 2)")
+def test_tensor_parallel_needs_the_shared_batch(tmp_path):
+    message = run_distributed(_refusal, 2, str(tmp_path), {"tensor_parallel_degree": 2}, timeout=120)[0]
+    assert message == ("invalid shardwise config: prescaled_batch=False: the Hugging Face Trainer gives the ranks of a "
+                       "tensor-parallel group one batch (per_device_train_batch_size rows), as transformers' tensor "
+                       "parallelism does; fix: set prescaled_batch: true with tensor_parallel_degree")
+
+
+@pytest.fixture(scope="module")
+def reference_one_batch(tmp_path_factory) -> dict:
+    """One process with one micro batch: what a single replica trains."""
+    return run_distributed(run, 1, "plain", str(tmp_path_factory.mktemp("plain_one")), MICRO, timeout=300)[0]
+
+
+def test_pipeline_trains_and_evaluates_as_one_process(reference_one_batch, tmp_path):
+    """2 stages, each micro-step's batch in 2 pipeline microbatches, the embedding and head tied across stages."""
+    layout = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, timeout=300)
+    assert_same(ranks, reference_one_batch)
+
+
+def test_pipeline_with_zero3_trains_as_one_process(reference, tmp_path):
+    layout = {"pipeline_parallel_degree": 2, "microbatches": 2, "sharded_data_parallel_degree": 2}
+    ranks = run_distributed(run, 4, "shardwise", str(tmp_path), MICRO, layout, timeout=300)
+    assert_same(ranks, reference)
+
+
+@pytest.mark.slow
+def test_pipeline_with_tensor_parallel_trains_as_one_process(reference_one_batch, tmp_path):
+    layout = {"pipeline_parallel_degree": 2, "microbatches": 2, "tensor_parallel_degree": 2, "prescaled_batch": True}
+    ranks = run_distributed(run, 4, "shardwise", str(tmp_path), MICRO, layout, timeout=300)
+    assert_same(ranks, reference_one_batch)
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ Trainer methods overridden (trainer.py), by the Trainer method that calls each:
 - `_load_from_checkpoint` (from `train`): the weights load with the optimizer after wrapping, not before.
 - `_load_best_model` (from `_finalize_training`): the best checkpoint's weights into every rank's shards.
 
-Trainer members used: `_save` (writes `save_pretrained`'s files from a state dict, from `save_model`) and
+Trainer members used: `_save` (writes `save_pretrained`'s files from a state dict, from `save_model`),
+`_prepare_inputs` (a pipelined micro-step prepares its batch as `training_step` does, pipeline.py) and
 `_created_lr_scheduler` (a later `train()` rebuilds a schedule the Trainer built).
 
 accelerate, under tensor parallelism only (replicas.py): the accelerator's `prepare_data_loader` and
@@ -54,7 +55,7 @@ TRAINER_OVERRIDES = {
 # Public Trainer methods overridden whose call site matters: the hook must run before what it prepares.
 TRAINER_HOOKS = {"create_accelerator_and_postprocess": "__init__", "training_step": "_run_epoch",
                  "create_optimizer": "_prepare_for_training", "save_model": "_save_checkpoint"}
-TRAINER_USED = {"_save": ("output_dir", "state_dict")}
+TRAINER_USED = {"_save": ("output_dir", "state_dict"), "_prepare_inputs": ("inputs",)}
 TRAINER_ATTRIBUTES = ("_created_lr_scheduler",)
 
 

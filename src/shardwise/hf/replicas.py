@@ -28,9 +28,10 @@ def install(accelerator: Any) -> None:
 
     replicas, index = ranks.rdp_size(), ranks.rdp_rank()
     world = dist.get_world_size()
-    # One rank per replica (its first tensor-parallel rank), in replica order: whose results an evaluation keeps.
+    # One rank per replica (its first tensor-parallel rank on pipeline rank 0, which receives a pipeline's
+    # results), in replica order: whose results an evaluation keeps.
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, (index, ranks.tp_rank() == 0))
+    dist.all_gather_object(every, (index, ranks.tp_rank() == 0 and ranks.pp_rank() == 0))
     keep = [rank for _, rank in sorted((replica, rank) for rank, (replica, first) in enumerate(every) if first)]
 
     def prepare(data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None) -> Any:

@@ -155,9 +155,6 @@ def start_runtime(args: transformers.TrainingArguments) -> Optional[DeepSpeedPla
         if problems:
             raise ConfigError(problems)
     runtime = state.current()
-    if runtime.layout.pp > 1:
-        raise ValueError(f"shardwise.hf.Trainer does not run pipelines yet (pipeline_parallel_degree "
-                         f"{runtime.layout.pp}): use tensor_parallel_degree, sharded_data_parallel_degree or zero_stage")
     if runtime.layout.tp > 1 and not runtime.config.prescaled_batch:
         raise ConfigError([Problem("prescaled_batch", False, "the Hugging Face Trainer gives the ranks of a tensor-"
                                    "parallel group one batch (per_device_train_batch_size rows), as transformers' "

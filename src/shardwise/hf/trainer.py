@@ -43,7 +43,7 @@ from ..checkpoint.save import save_checkpoint
 from ..runtime import state
 from ..runtime.init import warn_ineffective
 from ..torch_internals import tree_map_only
-from . import replicas
+from . import pipeline, replicas
 from .runtime import DeepSpeedPlan, adopt_world, start_runtime
 
 CHECKPOINT_TAG = "shardwise"  # the shardwise checkpoint inside a Trainer's checkpoint folder
@@ -250,6 +250,8 @@ class ShardwiseTrainerMixin:
         return self.shardwise_model, train_dataloader
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        if self.shardwise_model.runs_whole_step:  # a pipeline: the micro-step through its schedule
+            return pipeline.training_step(self, self.shardwise_model, inputs, num_items_in_batch)
         # The Trainer marks its accumulation boundary (sync_gradients) before each micro-step: gradients reduce there.
         with self.shardwise_model.microbatch_context(last=self.accelerator.sync_gradients):
             return super().training_step(model, inputs, num_items_in_batch)
@@ -264,6 +266,12 @@ class ShardwiseTrainerMixin:
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Optional[list[str]] = None) -> tuple:
+        if self.shardwise_model.runs_whole_step:
+            if not prediction_loss_only:
+                raise ValueError("under pipeline parallelism shardwise.hf evaluates the loss only (the logits stay on "
+                                 "the last stage): pass no compute_metrics, or set prediction_loss_only=True")
+            return super().prediction_step(pipeline.WholeBatchForward(self.shardwise_model), inputs,
+                                           prediction_loss_only, ignore_keys=ignore_keys)
         # An evaluation step in the model's step context too (a vocabulary-parallel loss needs it).
         with self.shardwise_model.microbatch_context(last=True):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
