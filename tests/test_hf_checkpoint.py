@@ -5,7 +5,7 @@ A run under ZeRO-3 on 2 ranks saves every step and keeps 3 checkpoint folders, e
 and a shardwise checkpoint. Its later folders are then removed and an unfinished one (a crash mid-save) is left
 in their place: `train(resume_from_checkpoint=True)` picks the newest folder written whole and, in the same
 layout, continues bit for bit as the run that never stopped; in another layout (DDP), the same within
-floating-point tolerance.
+floating-point tolerance. A pipeline's checkpoint resumes in one process.
 """
 
 from __future__ import annotations
@@ -78,3 +78,19 @@ def test_resume_in_another_layout(straight, tmp_path):
                                atol=1e-5)
     for name, value in ranks[0]["state"].items():
         torch.testing.assert_close(resumed[0]["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_pipeline_checkpoint_resumes_in_one_process(tmp_path):
+    """2 pipeline stages save (their tied embedding and head included); one process without a launcher resumes."""
+    saving = dict(max_steps=4, save_strategy="steps", save_steps=2, evaluate=False)
+    staged = run_distributed(run, 2, "shardwise", str(tmp_path / "staged"), MICRO_DEFAULT,
+                             {"pipeline_parallel_degree": 2, "microbatches": 2}, save_to=str(tmp_path / "final"),
+                             timeout=300, **saving)
+    shutil.copytree(tmp_path / "staged" / "checkpoint-2", tmp_path / "alone" / "checkpoint-2")
+    alone = run_distributed(run, 1, "shardwise", str(tmp_path / "alone"), MICRO_DEFAULT, {}, resume=True,
+                            timeout=300, **saving)[0]
+    assert alone["steps_run"] == 2
+    torch.testing.assert_close(torch.tensor(alone["losses"]), torch.tensor(staged[0]["losses"]), rtol=1e-5, atol=1e-5)
+    for name, value in staged[0]["state"].items():
+        torch.testing.assert_close(alone["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.equal(staged[0]["loaded"][name], value), name
