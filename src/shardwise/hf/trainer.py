@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from ..api.configured import _torch_optimizer, build_scheduler
@@ -188,6 +189,10 @@ class ShardwiseTrainerMixin:
             self.model_wrapped = model
             if model.loss_scaler is not None:
                 self.accelerator.scaler = _ScaledBackward(model)
+            if isinstance(self.model, FSDPModule) and hasattr(self.model, "generate"):
+                # generate() calls the encoder and the forward of submodules itself: gather the root's shards
+                # (the shared embedding) around it, as the Trainer does under accelerate's FSDP2
+                register_fsdp_forward_method(self.model, "generate")
         return self._shardwise_model
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
