@@ -178,6 +178,9 @@ class ShardwiseTrainerMixin:
     def shardwise_model(self) -> DistributedModel:
         """The model as shardwise runs it, wrapped on first use (after `train` has prepared the model for training:
         activation checkpointing, resized embeddings)."""
+        wrapped = self._shardwise_model
+        if wrapped is not None and self.model is not wrapped.get_module() and self.model is not wrapped:
+            self._shardwise_model = None  # a new model (model_init builds one per train()): wrapped afresh
         if self._shardwise_model is None:
             if any(hasattr(p, "ds_id") for p in self.model.parameters()):
                 raise ValueError("the model's parameters were partitioned by DeepSpeed's zero.Init (transformers' "
