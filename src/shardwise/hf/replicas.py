@@ -1,9 +1,10 @@
 """The Trainer's data and evaluation gathers over model replicas, where a replica spans several ranks.
 
 Under tensor parallelism the ranks of a tensor-parallel group run one model on one batch (transformers' own
-tensor parallelism has them share the batch too; shardwise's `prescaled_batch`), so the Trainer's batches are
-dealt to the replicas, not the ranks, and an evaluation gathers one copy of each replica's results. Where every
-rank is a replica (DDP, ZeRO, MiCS) accelerate's own dealing and gathers are kept as they are.
+tensor parallelism has them share the batch too; shardwise's `prescaled_batch`), and under pipeline parallelism
+the stages do, so the Trainer's batches are dealt to the replicas, not the ranks, and an evaluation gathers one
+copy of each replica's results. Where every rank is a replica (DDP, ZeRO, MiCS) accelerate's own dealing and
+gathers are kept as they are.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def install(accelerator: Any) -> None:
 
     def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
         if use_gather_object:
-            raise ValueError("eval_use_gather_object=True: under tensor parallelism shardwise.hf gathers tensors only; "
-                             "set it to False")
+            raise ValueError("eval_use_gather_object=True: under tensor or pipeline parallelism shardwise.hf gathers "
+                             "tensors only; set it to False")
         gathered = accelerator.gather(input_data)
         data = recursively_apply(lambda t: torch.cat([t.chunk(world)[rank] for rank in keep]), gathered)
         state = accelerator.gradient_state

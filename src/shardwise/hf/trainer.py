@@ -10,7 +10,10 @@ model and optimizer state:
   over the wrapped model's parameters: ZeRO-3's shards); `trainer.model` stays the user's module and
   `trainer.model_wrapped` is the `DistributedModel`;
 - each accumulation micro-step runs inside the model's `microbatch_context`, reducing gradients only at the
-  Trainer's accumulation boundary; the loss and its normalisation (`num_items_in_batch`) are the Trainer's own;
+  Trainer's accumulation boundary (a pipeline runs it through its schedule, pipeline.py); the loss and its
+  normalisation (`num_items_in_batch`) are the Trainer's own;
+- where a model replica spans several ranks (tensor or pipeline parallelism) the batches are dealt to the
+  replicas and evaluation keeps one copy of each replica's results (replicas.py);
 - clipping is the optimizer step's, by the global norm of every shard and stage (`gradient_clipping`, which
   the runtime holds as `max_grad_norm`), and the norm the Trainer logs is that one;
 - a checkpoint folder holds the Trainer's files (weights `from_pretrained` loads, trainer state, RNG states)
@@ -159,7 +162,7 @@ class ShardwiseTrainerMixin:
         self.is_deepspeed_enabled = False  # the DeepSpeed config runs on shardwise, not through accelerate
         self.is_fsdp_enabled = False
         self.accelerator.scaler = None  # shardwise scales fp16 losses (set with the model, _ScaledBackward)
-        if replicas.replica_count() < dist.get_world_size():  # tensor parallelism: a replica spans several ranks
+        if replicas.replica_count() < dist.get_world_size():  # tensor or pipeline parallel: replicas span ranks
             replicas.install(self.accelerator)
             self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                      use_gather_object=self.args.eval_use_gather_object)
@@ -168,8 +171,8 @@ class ShardwiseTrainerMixin:
                                "compile it in the script before the Trainer wraps it")])
 
     def get_tp_size(self) -> int:
-        """The ranks sharing one batch (tensor-parallel peers): the Trainer divides its token counts and batch
-        sizes by this, as for transformers' own tensor parallelism."""
+        """The ranks sharing one batch (tensor-parallel peers and pipeline stages): the Trainer divides its token
+        counts and batch sizes by this, as for transformers' own tensor parallelism."""
         return dist.get_world_size() // replicas.replica_count()
 
     # ----- the model -----
