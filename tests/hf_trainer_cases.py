@@ -83,8 +83,9 @@ def deepspeed_optimizers(model: torch.nn.Module, warmup_steps: int, lr: float = 
 
 def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate: bool = True,
         resume: Any = None, deepspeed_reference: bool = False, save_to: Optional[str] = None, **more: Any) -> dict:
-    """One rank: train (and evaluate) a tiny GPT-2 with `kind` "plain" (transformers.Trainer) or "shardwise"
-    (shardwise.hf.Trainer under the shardwise config `layout`, as `shardwise run --config` gives it).
+    """One rank: train (and evaluate) a tiny GPT-2 with `kind` "plain" (transformers.Trainer), "shardwise"
+    (shardwise.hf.Trainer under the shardwise config `layout`, as `shardwise run --config` gives it) or
+    "transformers-arguments" (shardwise.hf.Trainer given transformers' own TrainingArguments).
     `deepspeed_reference`: the plain Trainer with the optimizer and schedule DeepSpeed builds from a Hugging Face
     config (`deepspeed_optimizers`). `save_to`: then `save_model` there, and rank 0 loads it with `from_pretrained`
     (its state dict is returned as `loaded`)."""
@@ -92,6 +93,10 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
 
     if kind == "plain":
         from transformers import Trainer, TrainingArguments
+    elif kind == "transformers-arguments":  # shardwise's Trainer with transformers' own TrainingArguments
+        from transformers import TrainingArguments
+
+        from shardwise.hf import Trainer
     else:
         from shardwise.hf import Trainer, TrainingArguments
         if layout is not None:
@@ -110,7 +115,7 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
     output = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate() if evaluate else {}
     wrapped = trainer.model_wrapped
-    state = wrapped.full_state_dict() if kind == "shardwise" else trainer.model.state_dict()
+    state = trainer.model.state_dict() if kind == "plain" else wrapped.full_state_dict()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     loaded = None
     if save_to is not None:
@@ -119,7 +124,7 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
             loaded = {k: v.clone() for k, v in
                       transformers.AutoModelForCausalLM.from_pretrained(save_to).state_dict().items()}
     layout = {}
-    if kind == "shardwise":
+    if kind != "plain":
         from shardwise.runtime import state as runtime_state
 
         config = runtime_state.current().config

@@ -52,6 +52,17 @@ def test_zero3_bucket_sizes_come_from_the_model(reference, tmp_path):
     assert ranks[0]["layout"]["zero_stage"] == 3
 
 
+@pytest.mark.deepspeed
+def test_transformers_own_training_arguments_with_deepspeed_installed(reference, tmp_path):
+    """transformers' TrainingArguments(deepspeed=...) builds DeepSpeed's integration as they are made (DeepSpeed
+    installed); shardwise.hf's Trainer sets it aside and runs the config on shardwise all the same."""
+    pytest.importorskip("deepspeed")
+    ranks = run_distributed(run, 2, "transformers-arguments", str(tmp_path), MICRO, deepspeed=str(HF_ZERO2),
+                            warmup_steps=WARMUP, timeout=300)
+    assert_same(ranks, reference)
+    assert ranks[0]["layout"]["zero_stage"] == 2
+
+
 def _refusal(out: str, config: dict, **more) -> str:
     try:
         run("shardwise", out, MICRO, deepspeed=config, evaluate=False, **more)
