@@ -94,3 +94,20 @@ def test_a_pipeline_checkpoint_resumes_in_one_process(tmp_path):
     for name, value in staged[0]["state"].items():
         torch.testing.assert_close(alone["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
         assert torch.equal(staged[0]["loaded"][name], value), name
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint_into_the_shards(tmp_path):
+    """ZeRO-3 evaluating and saving every step, a learning rate high enough that the first step is the best: at
+    the end every rank's shards hold that checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO_DEFAULT, ZERO3, evaluate=False, max_steps=4,
+                            save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                            load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=3e-2,
+                            timeout=300)
+    evaluations = [entry["eval_loss"] for entry in ranks[0]["history"] if "eval_loss" in entry]
+    best = 1 + evaluations.index(min(evaluations))
+    assert best < 4
+    weights = load_file(tmp_path / f"checkpoint-{best}" / "model.safetensors")
+    for name, value in weights.items():
+        assert torch.equal(ranks[0]["state"][name], value), name
