@@ -214,7 +214,10 @@ class ShardwiseTrainerMixin:
             raise ValueError("Trainer(optimizers=(optimizer, ...)): pass the torch optimizer; the Trainer wraps it in "
                              "a DistributedOptimizer itself")
         block = state.current().config.optimizer if self._deepspeed is not None else None
-        if self.optimizer is None and block is not None:
+        if self.optimizer is not None and block is not None:
+            raise ValueError("Trainer(optimizers=(optimizer, ...)) and the DeepSpeed config's optimizer block both "
+                             "name the optimizer; drop the block, or pass optimizers=(None, None)")
+        if block is not None:
             # The DeepSpeed config's optimizer, over the trainable parameters in one group, as DeepSpeed builds it.
             params = [p for p in distributed.parameters() if p.requires_grad]
             self.optimizer = _torch_optimizer(block, params)
