@@ -1,4 +1,4 @@
-"""The public DeepSpeed scripts of examples/deepspeed/ under DeepSpeed itself and under shardwise.deepspeed.
+"""DeepSpeed training scripts under DeepSpeed itself and under shardwise.deepspeed, compared loss by loss.
 
 Each script is run twice on the same world (2 CPU ranks, gloo, the same seed and arguments): once as it is
 (`import shardwise.deepspeed as deepspeed`), once with that import swapped back to DeepSpeed's at load time.
@@ -8,8 +8,12 @@ taken through a hook, not parsed from what the scripts print (they print rounded
 step): every `engine.backward(loss)` records the loss it is given, and a pipeline engine's `train_batch()` the
 loss it returns, tagged with the engine (a GAN has two), on every rank.
 
-    python bench/deepspeed_parity.py                  # every example, a markdown table of the differences
+    python bench/deepspeed_parity.py                  # every example of examples/deepspeed/, a markdown table
     python bench/deepspeed_parity.py --only gan       # one of them
+    python bench/deepspeed_parity.py --script PATH -- ARGS...   # any script (a public one you have), 2 ranks
+
+A script of your own is compared the same way when its only shardwise line is `import shardwise.deepspeed as
+deepspeed` (the worker swaps it back for DeepSpeed's run).
 
 A worker runs under a launcher (torchrun, or `shardwise run`) as:
 
@@ -173,62 +177,48 @@ def max_difference(a: list[list], b: list[list]) -> tuple[float, float, int]:
 
 # ----- the examples and their runs -----
 
-def json_config(source: Path, folder: Path, **changes: Any) -> Path:
-    """A copy of the JSON config `source` in `folder` with `changes` (dotted keys: "optimizer.params.lr")."""
-    data = json.loads(source.read_text())
-    for dotted, value in changes.items():
-        *path, last = dotted.split(".")
-        node = data
-        for key in path:
-            node = node[key]
-        node[last] = value
-    target = folder / f"{source.stem}-{abs(hash(json.dumps(changes, sort_keys=True))) % 10**8}.json"
-    target.write_text(json.dumps(data, indent=2))
-    return target
-
-
 @dataclass(frozen=True)
 class Case:
-    """One run of one example: its script, its arguments, how many ranks."""
+    """One run of one script: its arguments (given a scratch folder), how many ranks; with `then`, a second
+    run after it in the same folder (a resume), whose losses are the ones compared."""
 
     name: str
     script: str
-    args: Callable[[Path], list[str]]  # the arguments, given a scratch folder for configs it writes
+    args: Callable[[Path], list[str]]
     nproc: int = 2
+    then: Optional[Callable[[Path], list[str]]] = None
+
+    @property
+    def path(self) -> Path:
+        return Path(self.script) if Path(self.script).is_absolute() else EXAMPLES / self.script
+
+    def run(self, flavour: str, folder: Path, launcher: str = "torchrun") -> list[list]:
+        losses = launch(flavour, self.path, self.args(folder), self.nproc, launcher=launcher)
+        if self.then is not None:
+            losses = launch(flavour, self.path, self.then(folder), self.nproc, launcher=launcher)
+        return losses
 
 
-def _zero3_args(folder: Path) -> list[str]:
-    # Its config's learning rate (1e-5, warmed up over 10 steps) moves the loss by about 1e-5 in six steps, less
-    # than the tolerance: 1e-3 makes a wrong update show.
-    config = json_config(EXAMPLES / "train_zero3_stage3.json", folder, **{
-        "optimizer.params.lr": 1e-3, "scheduler.params.warmup_max_lr": 1e-3})
-    return ["--vocab_size", "256", "--hidden_size", "64", "--num_layers", "2", "--num_heads", "4",
-            "--max_seq_len", "32", "--num_samples", "64", "--train_steps", "6", "--deepspeed_config", str(config)]
+def classifier_args(stage: int, micro: int = 8, *more: str) -> list[str]:
+    return ["--stage", str(stage), "--micro-batch", str(micro), "--samples", "128", *more]
 
 
-def _gan_args(batch: int = 64) -> list[str]:
-    # Its own config (train_batch_size 64: 32 per rank on two); DCGAN's widths shrunk, 64x64 images as built.
-    return ["--dataset", "fake", "--workers", "0", "--batchSize", str(batch), "--ngf", "8", "--ndf", "8", "--nz",
-            "16", "--epochs", "1", "--deepspeed_config", str(EXAMPLES / "gan" / "gan_deepspeed_config.json"),
-            "--tensorboard_path", "runs", "--outf", "gan_output"]
+def gan_args(*more: str) -> list[str]:
+    return ["--steps", "8", "--deepspeed_config", str(EXAMPLES / "gan_config.json"), *more]
 
 
-def _pipeline_args(folder: Path, stages: int, steps: int = 3) -> list[str]:
-    # Its config's 256-sample batch of 224x224 images is 32 micro-batches: 16 in 4 keep a step near a second.
-    config = json_config(EXAMPLES / "pipeline_parallelism" / "ds_config.json", folder,
-                         train_batch_size=16, train_micro_batch_size_per_gpu=4)
-    return ["-p", str(stages), "--steps", str(steps), "--backend", "gloo", "--deepspeed_config", str(config)]
+def pipeline_args(stages: int) -> list[str]:
+    return ["--stages", str(stages), "--steps", "4", "--deepspeed_config", str(EXAMPLES / "pipeline_config.json")]
 
 
 CASES = [
-    *[Case(f"cifar10_deepspeed ZeRO-{stage}", "cifar10_deepspeed.py",
-           lambda folder, stage=stage: ["--epochs", "1", "--dtype", "fp32", "--stage", str(stage),
-                                        "--log-interval", "4"])
+    *[Case(f"train_classifier ZeRO-{stage}", "train_classifier.py", lambda folder, stage=stage: classifier_args(stage))
       for stage in range(4)],
-    Case("train_zero3 (zero.Init) ZeRO-3", "train_zero3.py", _zero3_args),
-    Case("gan (two engines)", "gan/gan_deepspeed_train.py", lambda folder: _gan_args()),
-    Case("pipeline_parallelism (PipelineModule, 2 stages)", "pipeline_parallelism/train.py",
-         lambda folder: _pipeline_args(folder, stages=2)),
+    Case("train_classifier resumed (saved at ZeRO-3, resumed at ZeRO-1)", "train_classifier.py",
+         lambda folder: classifier_args(3, 8, "--save-dir", str(folder / "ckpt")),
+         then=lambda folder: classifier_args(1, 8, "--save-dir", str(folder / "ckpt"), "--resume")),
+    Case("train_gan (two engines)", "train_gan.py", lambda folder: gan_args()),
+    Case("train_pipeline (PipelineModule, 2 stages)", "train_pipeline.py", lambda folder: pipeline_args(2)),
 ]
 
 
@@ -247,17 +237,16 @@ def _last_error(error: Exception) -> str:
 
 def run_case(case: Case, flavours: Sequence[str] = FLAVOURS) -> Outcome:
     outcome = Outcome(case)
-    folder = Path(tempfile.mkdtemp(prefix="ds-parity-config-"))
-    try:
-        for flavour in flavours:
-            start = time.perf_counter()
-            try:
-                outcome.runs[flavour] = launch(flavour, EXAMPLES / case.script, case.args(folder), case.nproc)
-            except (RuntimeError, subprocess.TimeoutExpired, OSError) as error:
-                outcome.runs[flavour] = _last_error(error)
-            outcome.seconds[flavour] = time.perf_counter() - start
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    for flavour in flavours:
+        folder = Path(tempfile.mkdtemp(prefix="ds-parity-"))
+        start = time.perf_counter()
+        try:
+            outcome.runs[flavour] = case.run(flavour, folder)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as error:
+            outcome.runs[flavour] = _last_error(error)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        outcome.seconds[flavour] = time.perf_counter() - start
     return outcome
 
 
@@ -283,9 +272,17 @@ def report(argv: Sequence[str]) -> None:
     parser.add_argument("--only", default=None, help="run only the cases whose name contains this")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="relative difference allowed (fp32)")
     parser.add_argument("--json", default=None, help="also write every run's losses here")
-    options = parser.parse_args(argv)
+    parser.add_argument("--script", default=None, help="compare this script (its args after --) instead")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks for --script")
+    split = argv.index("--") if "--" in argv else len(argv)
+    options = parser.parse_args(argv[:split])
+    cases = CASES
+    if options.script:
+        extra = list(argv[split + 1:])
+        cases = [Case(Path(options.script).name, str(Path(options.script).resolve()), lambda folder: extra,
+                      options.nproc)]
     outcomes = []
-    for case in CASES:
+    for case in cases:
         if options.only and options.only not in case.name:
             continue
         outcomes.append(run_case(case))

@@ -87,9 +87,20 @@ def read_distribution(source: ConfigSource = None) -> Distribution:
         distribution = parse_distribution(data, read_file)
     else:
         return Distribution(data)
+    return _noticed(distribution)
+
+
+def read_deepspeed(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A config known to be DeepSpeed's (the one `deepspeed.initialize` is given) as shardwise keys, translated
+    even where its keys alone would not tell (`{"train_batch_size": 8, "gradient_clipping": 0}`)."""
+    return _noticed(deepspeed.as_distribution(data)).parameters
+
+
+def _noticed(distribution: Distribution) -> Distribution:
+    """Name what the source holds that changes nothing here, once (the first rank, or a process alone)."""
     notice = notice_of(distribution.ignored)
     if notice and os.environ.get("RANK", "0") == "0":
-        warnings.warn(notice, IneffectiveSettingsWarning, stacklevel=3)
+        warnings.warn(notice, IneffectiveSettingsWarning, stacklevel=4)
     return distribution
 
 

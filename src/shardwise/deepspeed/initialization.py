@@ -23,7 +23,7 @@ from ..api.configured import _torch_optimizer, build_scheduler
 from ..api.model import DistributedModel
 from ..api.optimizer import DistributedOptimizer
 from ..config import ConfigError, Problem, ShardwiseConfig
-from ..config.sources import load_dict, read_file
+from ..config.sources import load_dict, read_deepspeed, read_file
 from ..runtime import state
 from ..runtime.devices import backend_for, local_device
 from ..runtime.init import init as start_runtime
@@ -176,7 +176,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     _refuse("mesh_param", mesh_param, "sequence-parallel meshes are not built by this front end; pass None")
     data = _config_dict(_config_source(args, config, config_params))
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    resolved = _engine_config({**data, **_pipeline_keys(model)})
+    resolved = _engine_config({**read_deepspeed(data), **_pipeline_keys(model)})
     distributed = DistributedModel(model)
     params = list(model_parameters) if model_parameters is not None else list(distributed.parameters())
     torch_optimizer = _optimizer(optimizer, resolved, params)
