@@ -214,9 +214,9 @@ def pipeline_args(stages: int) -> list[str]:
 CASES = [
     *[Case(f"train_classifier ZeRO-{stage}", "train_classifier.py", lambda folder, stage=stage: classifier_args(stage))
       for stage in range(4)],
-    Case("train_classifier resumed (saved at ZeRO-3, resumed at ZeRO-1)", "train_classifier.py",
+    Case("train_classifier resumed (saved and resumed at ZeRO-3)", "train_classifier.py",
          lambda folder: classifier_args(3, 8, "--save-dir", str(folder / "ckpt")),
-         then=lambda folder: classifier_args(1, 8, "--save-dir", str(folder / "ckpt"), "--resume")),
+         then=lambda folder: classifier_args(3, 8, "--save-dir", str(folder / "ckpt"), "--resume")),
     Case("train_gan (two engines)", "train_gan.py", lambda folder: gan_args()),
     Case("train_pipeline (PipelineModule, 2 stages)", "train_pipeline.py", lambda folder: pipeline_args(2)),
 ]

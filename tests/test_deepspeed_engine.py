@@ -399,3 +399,27 @@ def test_comm_and_accelerator_answer_as_deepspeed_does():
         assert (got["rank"], got["world"], got["local"], got["sum"]) == (rank, 2, rank, 3.0)
         assert got["device"] == expected_type and got["current"].startswith(expected_type)
         assert got["backend"] == ("gloo" if expected_type == "cpu" else got["backend"])
+
+
+def _module_called_directly(stage: int) -> str:
+    import shardwise.deepspeed as deepspeed
+
+    model = build("stack")
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    try:
+        engine.backward(loss_fn("stack", engine.module, ids, ids))
+        engine.step()
+    except RuntimeError as error:
+        return str(error)
+    return "trained"
+
+
+def test_a_forward_around_the_engine_is_refused_where_it_would_leave_replicas_apart():
+    """Under DDP's replicas a forward of the module itself arms no reduction: refused in one line. Under ZeRO-3
+    the module is FSDP2's and reduces by itself: allowed, as DeepSpeed scripts call modules directly."""
+    refused = run_distributed(_module_called_directly, 2, 0)
+    assert all("forward did not go through the engine" in message for message in refused)
+    assert run_distributed(_module_called_directly, 2, 3) == ["trained", "trained"]

@@ -3,7 +3,8 @@
     shardwise run --nproc-per-node 2 examples/deepspeed/train_gan.py --deepspeed_config examples/deepspeed/gan_config.json
 
 The shape of DeepSpeedExamples' DCGAN: one config for both engines, each engine given the script's own
-torch optimizer, the discriminator stepped on real and generated rows, the generator through it. Small
+torch optimizer, the discriminator stepped on real and generated rows, the generator through the
+discriminator module itself (DeepSpeed refuses a backward through another engine's forward). Small
 fully connected players on synthetic 2-D data keep it quick on a CPU. Only the import says shardwise.
 """
 
@@ -55,7 +56,7 @@ def main():
         errD_fake = F.binary_cross_entropy_with_logits(engineD(fake.detach()), zeros)
         engineD.backward(errD_fake)
         engineD.step()
-        errG = F.binary_cross_entropy_with_logits(engineD(fake), ones)
+        errG = F.binary_cross_entropy_with_logits(netD(fake), ones)  # the module itself: D only passes G's gradient
         engineG.backward(errG)
         engineG.step()
         engineD.zero_grad()  # the generator's backward passed through the discriminator

@@ -206,6 +206,12 @@ class DistributedModel(nn.Module):
         return self._partitioned
 
     @property
+    def reduces_in_forward(self) -> bool:
+        """Gradient reduction is armed by this wrapper's forward (DDP's replicas): a forward of the module itself
+        would leave its gradients unreduced."""
+        return self._by_ddp
+
+    @property
     def runs_whole_step(self) -> bool:
         """A pipelined model: its schedule runs a whole @step, which then takes no other DistributedModel."""
         return self._strategy.runs_whole_step

@@ -233,6 +233,12 @@ class DeepSpeedEngine(nn.Module):
                                "add an optimizer block to the config")
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ValueError("engine.backward expects a scalar loss tensor; reduce it first (e.g. loss.mean())")
+        if self._micro_step is None and self._model.reduces_in_forward and ranks.rdp_size() > 1:
+            # DDP arms its gradient reduction in forward: a loss from the module called directly would leave this
+            # rank's gradients unreduced and the replicas apart.
+            raise RuntimeError("engine.backward: this micro-step's forward did not go through the engine (the "
+                               "module was called directly), so its gradients would not be reduced across the "
+                               "data-parallel replicas; call the engine, engine(inputs), for the forward")
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps()
         self._losses.append(loss.detach() * (self.gradient_accumulation_steps() if scale_wrt_gas else 1))
