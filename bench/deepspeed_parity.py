@@ -218,6 +218,7 @@ CASES = [
          lambda folder: classifier_args(3, 8, "--save-dir", str(folder / "ckpt")),
          then=lambda folder: classifier_args(3, 8, "--save-dir", str(folder / "ckpt"), "--resume")),
     Case("train_gan (two engines)", "train_gan.py", lambda folder: gan_args()),
+    Case("train_pipeline (PipelineModule, 1 stage)", "train_pipeline.py", lambda folder: pipeline_args(1), 1),
     Case("train_pipeline (PipelineModule, 2 stages)", "train_pipeline.py", lambda folder: pipeline_args(2)),
 ]
 

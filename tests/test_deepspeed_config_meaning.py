@@ -443,3 +443,18 @@ def test_the_guide_has_a_row_for_every_key():
              for name in re.findall(r"`([^`]+)`", line.split(" | ")[0])}
     assert set(TOP_LEVEL) - named == set()
     assert {f"zero_optimization.{key}" for key in ZERO_KEYS} - named == set()
+
+
+def test_torch_adam_builds_torchs_adamw_with_its_default_decay():
+    """DeepSpeed with `torch_adam` builds torch's AdamW, whose weight decay defaults to 0.01; its fused Adam's to 0."""
+    import torch
+
+    from shardwise.api.configured import _torch_optimizer
+    from shardwise.config.blocks import OptimizerBlock
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    built = [_torch_optimizer(OptimizerBlock(type="Adam", params={"lr": 1e-3, **flag}), params)
+             for flag in ({}, {"torch_adam": True})]
+    assert [opt.defaults["weight_decay"] for opt in built] == [0.0, 0.01]
+    given = _torch_optimizer(OptimizerBlock(type="Adam", params={"torch_adam": True, "weight_decay": 0.0}), params)
+    assert given.defaults["weight_decay"] == 0.0

@@ -88,8 +88,18 @@ def test_pipeline_module_on_two_stages_trains_as_one_stage():
 
 # ----- against DeepSpeed itself -----
 
+# DeepSpeed builds only a stage's own layers, drawing from torch's generator in turn, so its initial weights
+# depend on the number of stages: its 2-stage run starts apart from its 1-stage one (and from one process).
+STAGE_DEPENDENT_INIT = pytest.mark.xfail(reason="DeepSpeed's initial weights depend on its stages", strict=True)
+
+
+def _deepspeed_case(case):
+    marks = [STAGE_DEPENDENT_INIT] if "2 stages" in case.name else []
+    return pytest.param(case, id=case.name.replace(" ", "-"), marks=marks)
+
+
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("case", parity.CASES, ids=lambda case: case.name.split(" (")[0].replace(" ", "-"))
+@pytest.mark.parametrize("case", [_deepspeed_case(case) for case in parity.CASES])
 def test_example_gives_deepspeeds_losses(case):
     pytest.importorskip("deepspeed")
     with tempfile.TemporaryDirectory() as theirs_folder, tempfile.TemporaryDirectory() as ours_folder:
@@ -98,3 +108,13 @@ def test_example_gives_deepspeeds_losses(case):
     worst_abs, worst_rel, count = parity.max_difference(ours, theirs)
     assert count > 0
     assert worst_rel <= TOLERANCE, json.dumps({"max_abs": worst_abs, "max_rel": worst_rel})
+
+
+@pytest.mark.deepspeed
+def test_two_stages_give_deepspeeds_one_stage_losses():
+    """shardwise's 2-stage pipeline trains as one process does, which is DeepSpeed's 1-stage run."""
+    pytest.importorskip("deepspeed")
+    theirs = parity.launch("deepspeed", parity.EXAMPLES / "train_pipeline.py", parity.pipeline_args(1), 1)
+    ours = _run("train_pipeline.py", parity.pipeline_args(2), 2)
+    for rank in range(2):
+        _assert_close(_values(ours[rank]), _values(theirs[0]), f"pipeline, rank {rank}")

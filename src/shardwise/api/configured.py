@@ -40,13 +40,16 @@ _DEEPSPEED_ONLY = ("torch_adam", "fp32_optimizer_states", "bias_correction", "ad
 def _torch_optimizer(block: OptimizerBlock, params: Iterable[Any]) -> torch.optim.Optimizer:
     """The optimizer `block` names, as DeepSpeed builds it without its CUDA kernels: Adam decouples weight decay
     (torch's AdamW) unless `adam_w_mode` is false (torch's Adam, decay added to the gradient), as DeepSpeed's
-    FusedAdam does; Lamb is DeepSpeedLamb; SGD and Adagrad are torch's, as DeepSpeed builds them."""
+    FusedAdam does, with its default decay 0 (0.01 with `torch_adam`, torch's AdamW's own default, which is what
+    DeepSpeed then builds); Lamb is DeepSpeedLamb; SGD and Adagrad are torch's, as DeepSpeed builds them."""
     if block.type == "Lamb":
         return DeepSpeedLamb(params, **block.params)
     if block.type in ("SGD", "Adagrad"):
         return getattr(torch.optim, block.type)(params, **block.params)
     args = {**_OPTIMIZER_DEFAULTS[block.type], **block.params}
     decoupled = args.get("adam_w_mode", True) or block.type == "AdamW"
+    if args.get("torch_adam") and decoupled and "weight_decay" not in block.params:
+        args["weight_decay"] = 0.01  # with torch_adam DeepSpeed builds torch's AdamW, whose default this is
     for name in _DEEPSPEED_ONLY:
         args.pop(name, None)
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **args)

@@ -68,6 +68,7 @@ class DeepSpeedEngine(nn.Module):
     resharding) under DeepSpeed's calls and `latest` tag file.
     """
 
+    shuffles_training_data = True  # DeepSpeed's pipeline engine reads its training data in order
     optimizer: Optional[DistributedOptimizer]
     lr_scheduler: Any
     training_dataloader: Any
@@ -293,7 +294,7 @@ class DeepSpeedEngine(nn.Module):
                      pin_memory: bool = True, data_sampler: Any = None, collate_fn: Optional[Callable] = None,
                      num_local_io_workers: Optional[int] = None) -> Any:
         """A loader of `batch_size` (the micro batch) samples per data-parallel rank, in DeepSpeed's order
-        (DistributedSampler, seed 0, shuffled for training, the same order every epoch)."""
+        (DistributedSampler, seed 0, shuffled for training but under a pipeline, the same order every epoch)."""
         if not isinstance(dataset, (torch.utils.data.Dataset, torch.utils.data.IterableDataset)):
             raise ValueError("deepspeed: training data must be a torch.utils.data.Dataset")
         if data_sampler is not None:
@@ -302,8 +303,13 @@ class DeepSpeedEngine(nn.Module):
         kwargs: dict[str, Any] = {"collate_fn": collate_fn or self.collate_fn}
         if num_local_io_workers is not None:
             kwargs["num_workers"] = num_local_io_workers
-        return data_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), shuffle=route == "train",
+        return data_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(),
+                           shuffle=route == "train" and self.shuffles_training_data,
                            drop_last=self.settings.dataloader_drop_last, **kwargs)
+
+    def training_loader(self, dataset: Any) -> Any:
+        """The loader `initialize` returns for `training_data`."""
+        return self.deepspeed_io(dataset)
 
     # ----- modes and parameters -----
 

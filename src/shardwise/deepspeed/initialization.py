@@ -189,6 +189,6 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
 
         engine_class = PipelineEngine
     engine = engine_class(distributed, wrapped, scheduler, settings, collate_fn=collate_fn)
-    loader = engine.deepspeed_io(training_data) if training_data is not None else None
+    loader = engine.training_loader(training_data) if training_data is not None else None
     engine.training_dataloader = loader
     return engine, wrapped, loader, scheduler

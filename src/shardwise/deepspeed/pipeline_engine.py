@@ -36,7 +36,10 @@ def _loss(module: Any, outputs: Any, labels: Any) -> Any:
 
 
 class PipelineEngine(DeepSpeedEngine):
-    """DeepSpeed's pipeline engine: `train_batch(data_iter)` and `eval_batch(data_iter)` per global batch."""
+    """DeepSpeed's pipeline engine: `train_batch(data_iter)` and `eval_batch(data_iter)` per global batch. As
+    DeepSpeed's, it reads `training_data` in order and repeats it (the loader `initialize` returns never ends)."""
+
+    shuffles_training_data = False
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -79,6 +82,9 @@ class PipelineEngine(DeepSpeedEngine):
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
+    def training_loader(self, dataset: Any) -> Any:
+        return RepeatingLoader(self.deepspeed_io(dataset))
+
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator `train_batch()` pulls from when it is given none."""
         self._data_iterator = iterator
@@ -89,7 +95,7 @@ class PipelineEngine(DeepSpeedEngine):
                 if self.training_dataloader is None:
                     raise ValueError("train_batch() needs data: pass data_iter=, or training_data= to "
                                      "deepspeed.initialize")
-                self._data_iterator = iter(RepeatingLoader(self.training_dataloader))
+                self._data_iterator = iter(self.training_dataloader)
             data_iter = self._data_iterator
         return _joined([next(data_iter) for _ in range(count)])
 

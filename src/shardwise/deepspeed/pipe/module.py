@@ -139,6 +139,18 @@ def _tied_attr(module: nn.Module, attr: str) -> Any:
     return value
 
 
+def _counted(specs: list[Any]) -> list[int]:
+    """Each layer's trainable parameters as DeepSpeed's `_count_layer_params` finds them: a LayerSpec (tied ones
+    too) built once and dropped, a module's own, 0 for a callable."""
+    counts = []
+    for layer in specs:
+        if isinstance(layer, LayerSpec):
+            counts.append(_trainable(layer.build()))
+        else:
+            counts.append(_trainable(layer) if isinstance(layer, nn.Module) else 0)
+    return counts
+
+
 class PipelineModule(nn.Module):
     """A sequence of layers run in order, cut into `num_stages` pipeline stages where DeepSpeed cuts it.
 
@@ -184,10 +196,13 @@ class PipelineModule(nn.Module):
             seed_name = getattr(seed_fn, "__name__", None)
             print(f"SEED_LAYERS={seed_layers} BASE_SEED={base_seed} SEED_FN={seed_name}", flush=True)
         self.tied_weight_attrs: dict[Any, list[str]] = {}
+        # DeepSpeed counts the parameters of 'parameters' partitioning by building every LayerSpec once first, which
+        # draws from torch's generator: doing the same gives the model DeepSpeed's initial values.
+        counts = _counted(specs) if str(partition_method).lower() == "parameters" else None
         self.layers = nn.ModuleList(self._build(specs))
         # After the layers: a loss module holding parameters is then what the core's cut keeps on the last stage.
         self.loss_fn = loss_fn
-        self.parts = self._partition(specs, partition_method)
+        self.parts = self._partition(specs, partition_method, counts)
         for layer in self.layers:
             set_partition(layer, self.stage_owner(layer.index))  # the core cuts here (placement by hand)
         if self.global_rank == 0:
@@ -270,11 +285,12 @@ class PipelineModule(nn.Module):
                                  f"weight of {spec.typename.__name__} (it has {names or 'none'}); "
                                  "fix: name one of those")
 
-    def _partition(self, specs: list[Any], method: Any) -> list[int]:
+    def _partition(self, specs: list[Any], method: Any, counts: Optional[list[int]]) -> list[int]:
         """DeepSpeed's boundaries for `method` (see partition.py): a layer's weight is its trainable parameters
-        ('parameters') or whether its class name matches ('type:')."""
-        counts = [_trainable(layer.module) if isinstance(spec, (LayerSpec, nn.Module)) else 0
-                  for spec, layer in zip(specs, self.layers)]
+        ('parameters', `counts`) or whether its class name matches ('type:')."""
+        if counts is None:
+            counts = [_trainable(layer.module) if isinstance(spec, (LayerSpec, nn.Module)) else 0
+                      for spec, layer in zip(specs, self.layers)]
         names = []
         for spec in specs:
             if isinstance(spec, LayerSpec):
