@@ -401,25 +401,27 @@ def test_comm_and_accelerator_answer_as_deepspeed_does():
         assert got["backend"] == ("gloo" if expected_type == "cpu" else got["backend"])
 
 
-def _module_called_directly(stage: int) -> str:
+def _module_called_directly(stage: int, micro: int) -> dict:
+    """DeepSpeedExamples' DCGAN pattern: the forward calls the module itself, the engine does backward and step."""
     import shardwise.deepspeed as deepspeed
 
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 2,
+              "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     model = build("stack")
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    ids = torch.zeros(2, 8, dtype=torch.long)
-    try:
-        engine.backward(loss_fn("stack", engine.module, ids, ids))
+    engine, _, loader, _ = deepspeed.initialize(model=model, config=config, training_data=dataset("stack", 32))
+    batches = iter(loader)
+    for _ in range(4):
+        ids, targets = next(batches)
+        engine.backward(loss_fn("stack", engine.module, ids, targets))
         engine.step()
-    except RuntimeError as error:
-        return str(error)
-    return "trained"
+    return engine.module_state_dict()
 
 
-def test_a_forward_around_the_engine_is_refused_where_it_would_leave_replicas_apart():
-    """Under DDP's replicas a forward of the module itself arms no reduction: refused in one line. Under ZeRO-3
-    the module is FSDP2's and reduces by itself: allowed, as DeepSpeed scripts call modules directly."""
-    refused = run_distributed(_module_called_directly, 2, 0)
-    assert all("forward did not go through the engine" in message for message in refused)
-    assert run_distributed(_module_called_directly, 2, 3) == ["trained", "trained"]
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_forward_around_the_engine_trains_as_one_process(stage):
+    """The module called directly, not the engine: under DDP's replicas (ZeRO-0) its gradients are averaged at
+    the boundary, as DeepSpeed's engine does; under ZeRO-3 the module is FSDP2's and reduces by itself."""
+    want = run_distributed(_module_called_directly, 1, stage, 4)[0]
+    got = run_distributed(_module_called_directly, 2, stage, 2)
+    for name, value in want.items():
+        torch.testing.assert_close(got[0][name], value, rtol=TOLERANCE, atol=TOLERANCE, msg=name)

@@ -94,6 +94,7 @@ class DeepSpeedEngine(nn.Module):
         self._boundary_override: Optional[bool] = None
         self._micro_step: Optional[contextlib.ExitStack] = None  # open from a training forward to its backward
         self._no_sync = False
+        self._reduce_at_boundary = False  # a micro-step's forward bypassed DDP's reduction (see backward)
         self._losses: list[torch.Tensor] = []  # of this accumulation's micro-steps, for the metrics' step loss
         self._runtime = current("deepspeed.initialize")
 
@@ -235,11 +236,9 @@ class DeepSpeedEngine(nn.Module):
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ValueError("engine.backward expects a scalar loss tensor; reduce it first (e.g. loss.mean())")
         if self._micro_step is None and self._model.reduces_in_forward and ranks.rdp_size() > 1:
-            # DDP arms its gradient reduction in forward: a loss from the module called directly would leave this
-            # rank's gradients unreduced and the replicas apart.
-            raise RuntimeError("engine.backward: this micro-step's forward did not go through the engine (the "
-                               "module was called directly), so its gradients would not be reduced across the "
-                               "data-parallel replicas; call the engine, engine(inputs), for the forward")
+            # DDP arms its reduction in forward: a loss from the module called directly (DeepSpeedExamples' DCGAN
+            # does so) leaves these gradients to the boundary, as DeepSpeed's engine reduces its own there.
+            self._reduce_at_boundary = True
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps()
         self._losses.append(loss.detach() * (self.gradient_accumulation_steps() if scale_wrt_gas else 1))
@@ -263,7 +262,21 @@ class DeepSpeedEngine(nn.Module):
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
 
+    def _average_over_replicas(self) -> None:
+        """This accumulation's gradients averaged over the data-parallel replicas. Gradients DDP reduced already
+        are equal on every replica, and their average is themselves."""
+        group = ranks.process_group("rdp", "engine.step")
+        size = dist.get_world_size(group)
+        with torch.no_grad():
+            for param in self._model.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=group)
+                    param.grad /= size
+
     def _take_model_step(self, lr_kwargs: Optional[dict[str, Any]]) -> None:
+        if self._reduce_at_boundary:
+            self._average_over_replicas()
+            self._reduce_at_boundary = False
         if self._losses:
             recorder_for(self._runtime).loss_returned(torch.stack(self._losses).mean())
             self._losses = []
