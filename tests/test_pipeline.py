@@ -255,3 +255,27 @@ def test_the_step_function_contract_under_a_pipeline():
             assert (second["started"], second["past_model"]) == (4, 2)
         else:
             assert [(s["started"], s["past_model"]) for s in per_step] == [(2, 0), (2, 0)]
+
+
+def _accumulating_over_steps(world: int) -> dict:
+    """Two @step calls per optimizer step, gradients accumulating between them (no zero_grad): GPT-2's embedding
+    and head, tied across the two stages, must each count once."""
+    sw.init({"pipeline_parallel_degree": world, "microbatches": 1})
+    model = sw.DistributedModel(build("gpt2", layers=LAYERS))
+    optimizer = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+    train_step = seed_step("gpt2")
+    data = dataset("gpt2", 16)
+    for step in range(2):
+        optimizer.zero_grad()
+        for half in range(2):
+            start = step * 8 + half * 4
+            train_step(model, *data[start:start + 4])
+        optimizer.step()
+    return model.full_state_dict()
+
+
+def test_gradients_accumulated_over_several_steps_count_tied_weights_once():
+    want = run_distributed(_accumulating_over_steps, 1, 1)[0]
+    for state in run_distributed(_accumulating_over_steps, 2, 2):
+        for name, value in want.items():
+            assert relative_error(state[name], value) <= TOLERANCE, name

@@ -58,15 +58,7 @@ def training_step(trainer: Any, model: DistributedModel, inputs: dict[str, Any],
     count = _count(num_items_in_batch)
     if getattr(trainer, "_shardwise_pipeline_step", None) is None:
         trainer._shardwise_pipeline_step = _training_function(trainer)
-    # Each step starts from no gradients and the earlier micro-steps' are added back after it: the pipeline sums
-    # a tied weight's copies (embedding and head on different stages) at the end of every step, which would count
-    # the gradients already accumulated in both copies twice.
-    held = {param: param.grad for param in model.parameters() if param.grad is not None}
-    for param in held:
-        param.grad = None
     result = trainer._shardwise_pipeline_step(model, inputs, count)
-    for param, grad in held.items():
-        param.grad = grad if param.grad is None else grad.add_(param.grad)
     loss = result.reduce_sum() if count is not None else result.reduce_mean()
     return loss.detach().to(trainer.args.device)
 

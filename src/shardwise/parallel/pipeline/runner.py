@@ -119,6 +119,7 @@ class PipelineParallel(Strategy):
         device = current("@shardwise.step").device
         per_round = self.per_round
         self._step = {"fn": fn, "model": model, "pieces": pieces, "train": train, "results": {}}
+        earlier = self.ties.set_aside() if train else []
         try:
             for start in range(0, len(pieces), per_round):
                 target = torch.arange(start, start + per_round, device=device) if self.holds_loss else None
@@ -129,6 +130,7 @@ class PipelineParallel(Strategy):
             self._step = None
         if train:
             self.ties.sum_grads()
+            self.ties.add_back(earlier)
             if model.loss_scaler is not None and not self.holds_loss:
                 # fp16: gradients arrive scaled; the scaler's scale exists only once it has scaled something
                 model.loss_scaler.scale(torch.zeros((), device=device))

@@ -120,6 +120,21 @@ class TiedWeights:
             for copy in copies[1:]:
                 local_tensor(copy).copy_(local_tensor(copies[0]))
 
+    def set_aside(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Take the gradients earlier @steps left in the copies out of them (`add_back` returns them), so that
+        `sum_grads` sums this step's alone: those were summed already, and summing them again counts them twice
+        (gradients accumulated over several @steps before an optimizer step)."""
+        earlier = [(copy, copy.grad) for group in self.groups for copy in self._copies(group) if copy.grad is not None]
+        for copy, _ in earlier:
+            copy.grad = None
+        return earlier
+
+    @staticmethod
+    @torch.no_grad()
+    def add_back(earlier: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        for copy, grad in earlier:
+            copy.grad = grad if copy.grad is None else grad.add_(copy.grad)
+
     @torch.no_grad()
     def sum_grads(self) -> None:
         """Each copy's gradient becomes the sum over all copies: the tied weight's gradient."""
