@@ -440,7 +440,7 @@ def test_a_tuple_crosses_the_stages_whole():
      "ValueError: PipelineModule: partition_method 'type:conv' matches no layer's class (the layers are <lambda>, "
      "Block, Linear, ReLU, Tanh); fix: name one of them, e.g. 'type:<lambda>'"),
     ({"partition_method": "profile"},
-     "NotImplementedError: PipelineModule: partition_method 'profile' is not implemented (nor is it in DeepSpeed); "
+     "ValueError: PipelineModule: partition_method 'profile' balances nothing in DeepSpeed either (it refuses it); "
      "fix: use 'parameters', 'uniform' or 'type:REGEX'"),
     ({"num_stages": 3},
      "RuntimeError: PipelineModule: num_stages (3) must divide the world size (2); fix: launch a multiple of 3 "
@@ -456,7 +456,7 @@ def test_a_tuple_crosses_the_stages_whole():
 ])
 def test_bad_module_arguments_are_one_line_naming_the_fix(two_ranks, options, error):
     options = {"num_stages": 2, **options}
-    with pytest.raises((ValueError, RuntimeError, NotImplementedError)) as info:
+    with pytest.raises((ValueError, RuntimeError)) as info:
         with contextlib.redirect_stdout(io.StringIO()):
             PipelineModule(stack_layers(), loss_fn=F.mse_loss, **options)
     assert f"{info.typename}: {info.value}" == error
@@ -533,3 +533,12 @@ def test_on_one_process_two_stages_is_one_line_naming_the_fix():
         build_module("stack", 2)
     assert str(info.value) == ("PipelineModule: num_stages (2) must divide the world size (1); fix: launch a multiple "
                                "of 2 processes, or pass a num_stages that divides 1 (1 on one process)")
+
+
+def test_a_nested_pipeline_module_is_refused_in_one_line(two_ranks):
+    with contextlib.redirect_stdout(io.StringIO()):
+        inner = PipelineModule(stack_layers(), num_stages=2, loss_fn=F.mse_loss)
+        with pytest.raises(ValueError) as info:
+            PipelineModule([inner, *stack_layers()], num_stages=2, loss_fn=F.mse_loss)
+    assert str(info.value) == ("PipelineModule: layer 0 is a PipelineModule, whose stages cannot nest in another's "
+                               "(DeepSpeed refuses it too); fix: pass its layers instead")

@@ -249,8 +249,8 @@ class PipelineModule(nn.Module):
             if self.seed_layers:
                 self._seed(self.base_seed + index)
             if isinstance(layer, PipelineModule):
-                raise NotImplementedError(f"PipelineModule: layer {index} is a PipelineModule, and nesting them is "
-                                          "not supported (nor in DeepSpeed); fix: pass its layers instead")
+                raise ValueError(f"PipelineModule: layer {index} is a PipelineModule, whose stages cannot nest in "
+                                 "another's (DeepSpeed refuses it too); fix: pass its layers instead")
             if isinstance(layer, nn.Module):
                 built.append(PipelineModuleLayer(index, type(layer).__name__, module=layer))
             elif isinstance(layer, TiedLayerSpec):

@@ -88,9 +88,9 @@ def method_weights(method: Any, counts: Sequence[int], names: Sequence[str | Non
             raise ValueError(f"PipelineModule: partition_method {method!r} matches no layer's class (the layers "
                              f"are {', '.join(known)}); fix: name one of them, e.g. 'type:{known[0] if known else ''}'")
         return method, weights
-    if method == "profile":
-        raise NotImplementedError("PipelineModule: partition_method 'profile' is not implemented (nor is it in "
-                                  f"DeepSpeed); fix: use {METHODS}")
+    if method == "profile":  # a name DeepSpeed reserves and refuses: no such balancing exists there either
+        raise ValueError(f"PipelineModule: partition_method 'profile' balances nothing in DeepSpeed either (it "
+                         f"refuses it); fix: use {METHODS}")
     raise ValueError(f"PipelineModule: partition_method {method!r} is not {METHODS}; fix: use one of those")
 
 
