@@ -8,13 +8,20 @@ host; partitioning activations across model-parallel ranks is not done.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from .pipe.module import checkpoint
+from ..parallel.checkpointing import checkpointed
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset"]
 
 _configured = False
+
+
+def checkpoint(function: Callable, *args: Any) -> Any:
+    """DeepSpeed's `checkpoint(function, *args)` over shardwise's activation checkpoint: `function(*args)` as one
+    region recomputed in backward (torch's non-reentrant checkpoint, the random state replayed, the kept inputs
+    offloaded when the config says so). Also the default `activation_checkpoint_func` of a PipelineModule."""
+    return checkpointed(function, *args)
 
 
 def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,

@@ -22,19 +22,14 @@ from torch.distributed.constants import default_pg_timeout
 from ..api.configured import _torch_optimizer, build_scheduler
 from ..api.model import DistributedModel
 from ..api.optimizer import DistributedOptimizer
-from ..config import ConfigError, Problem, ShardwiseConfig
-from ..config.sources import load_dict, read_deepspeed, read_file
+from ..config import ConfigError, ShardwiseConfig
+from ..config.sources import read_deepspeed, read_file
 from ..runtime import state
 from ..runtime.devices import backend_for, local_device
-from ..runtime.init import init as start_runtime
-from ..topology.layout import validate
+from ..runtime.init import init as start_runtime, joined
 from .engine import DeepSpeedEngine, EngineSettings
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
-# What each engine chooses for itself; every other key shapes the process's one layout and must agree.
-_ENGINE_KEYS = frozenset({"optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
-                          "microbatches", "steps_per_print", "wall_clock_breakdown"})
-
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """DeepSpeed's `--deepspeed`, `--deepspeed_config FILE` and their deprecated `--deepscale*` spellings."""
@@ -100,26 +95,15 @@ def _config_dict(source: Union[str, os.PathLike, Mapping[str, Any]]) -> dict[str
     return dict(source) if isinstance(source, Mapping) else read_file(source)
 
 
-def _layout_keys(config: ShardwiseConfig) -> dict[str, Any]:
-    return {key: value for key, value in config.model_dump().items() if key not in _ENGINE_KEYS}
-
-
 def _engine_config(data: Mapping[str, Any]) -> ShardwiseConfig:
     """This engine's resolved config: the runtime's when it starts here, else validated against the runtime's
     layout (a different one is refused, naming each key that differs)."""
     if not state.is_initialized():
         return start_runtime(data)
-    runtime = state.current()
-    config, layout = validate(load_dict(data), runtime.cluster)
-    mine, theirs = _layout_keys(config), _layout_keys(runtime.config)
-    differing = sorted(key for key in mine if mine[key] != theirs[key])
-    if differing or layout != runtime.layout:
-        raise ConfigError([Problem(key, mine[key], f"differs from the layout this process already runs "
-                                   f"({theirs[key]!r}): every engine of a process shares one layout",
-                                   "give every engine the same parallelism, precision and ZeRO keys")
-                           for key in differing] or [Problem("layout", str(layout), "differs from the running "
-                                                             f"layout {runtime.layout}", "give every engine the "
-                                                             "same parallelism keys")])
+    config, problems = joined(data, ": every engine of a process shares one layout",
+                              "give every engine the same parallelism, precision and ZeRO keys")
+    if problems:
+        raise ConfigError(problems)
     return config
 
 

@@ -27,17 +27,13 @@ from ..config import ConfigError, Problem
 from ..config.blocks import SchedulerBlock, block_problems
 from ..config.deepspeed.auto import (AUTO, HIDDEN_SIZE_KEYS, auto_keys, fill_from_model, fill_from_trainer,
                                      unfilled_problem)
-from ..config.sources import load_dict, read_file
+from ..config.sources import read_file
 from ..runtime import state
-from ..runtime.init import init
-from ..topology.layout import validate
+from ..runtime.init import init, joined
 from .arguments import trainer_arguments
 
 # Driven by the Trainer itself, once its first pass has checked them against the TrainingArguments.
 _TRAINER_DRIVEN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-# What a config may set per engine without changing the layout (deepspeed.initialize's rule, for a joined runtime).
-_ENGINE_KEYS = frozenset({"optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
-                          "microbatches", "steps_per_print", "wall_clock_breakdown"})
 
 
 def world_size() -> int:
@@ -129,17 +125,6 @@ def _disagreements(keys: Mapping[str, Any], args: transformers.TrainingArguments
             for key, value in wanted.items() if getattr(config, key) != value]
 
 
-def _layout_differences(keys: Mapping[str, Any]) -> list[Problem]:
-    """A DeepSpeed config's layout keys that differ from the runtime the script started itself."""
-    runtime = state.current()
-    config, layout = validate(load_dict(keys), runtime.cluster)
-    mine = {k: v for k, v in config.model_dump().items() if k not in _ENGINE_KEYS}
-    theirs = runtime.config.model_dump()
-    return [Problem(key, mine[key], f"differs from the layout this process already runs ({theirs[key]!r})",
-                    "give TrainingArguments(deepspeed=...) and sw.init the same parallelism keys")
-            for key in sorted(mine) if mine[key] != theirs[key]]
-
-
 def start_runtime(args: transformers.TrainingArguments) -> Optional[DeepSpeedPlan]:
     """Start shardwise's runtime for the Trainer (or join the one the script started); the DeepSpeed plan, if any."""
     plan = DeepSpeedPlan.of(args) if args.deepspeed else None
@@ -147,7 +132,7 @@ def start_runtime(args: transformers.TrainingArguments) -> Optional[DeepSpeedPla
     if not state.is_initialized():
         init(keys)
     elif plan is not None:
-        problems = _layout_differences(keys)
+        _, problems = joined(keys, "", "give TrainingArguments(deepspeed=...) and sw.init the same parallelism keys")
         if problems:
             raise ConfigError(problems)
     if plan is None:

@@ -85,6 +85,23 @@ def _start_process_group(device: torch.device) -> bool:
     return True
 
 
+# What each front-end caller of a running runtime (a second DeepSpeed engine, a Trainer beside the script's own
+# sw.init) chooses for itself; every other key shapes the process's one layout.
+CALLER_KEYS = frozenset({"optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
+                         "microbatches", "steps_per_print", "wall_clock_breakdown"})
+
+
+def joined(data: Mapping[str, Any], why: str, fix: str) -> tuple[ShardwiseConfig, list[Problem]]:
+    """`data` validated for the running world, and a problem for each layout key it sets otherwise than the runtime
+    this process already runs (the rule `differs from the layout this process already runs (...)` + `why`)."""
+    runtime = state.current()
+    config, _ = validate(load_dict(data), runtime.cluster)
+    mine = {key: value for key, value in config.model_dump().items() if key not in CALLER_KEYS}
+    theirs = runtime.config.model_dump()
+    return config, [Problem(key, mine[key], f"differs from the layout this process already runs ({theirs[key]!r})"
+                            f"{why}", fix) for key in sorted(mine) if mine[key] != theirs[key]]
+
+
 def warn_ineffective(found: list[tuple[str, str]]) -> None:
     """Rank 0 names the settings that change nothing here (once, not once per rank)."""
     notice = notice_of(found)

@@ -30,7 +30,7 @@ What DeepSpeed does and shardwise does otherwise:
   layer; `checkpointable_layers` and DeepSpeed's default rule, "a run holding a
   layer with parameters", choose which runs), through `activation_checkpoint_func`
   called as DeepSpeed calls it, `func(function, *inputs)`; the default is
-  shardwise's checkpoint (`checkpoint` below: torch's non-reentrant one, with
+  shardwise's checkpoint (`deepspeed.checkpointing.checkpoint`: torch's non-reentrant one, with
   shardwise's activation offloading), not DeepSpeed's reentrant one.
 - What a stage's last layer returns goes to the next stage's first layer whole, a
   tensor or a tuple of tensors (as DeepSpeed sends it); other values cannot cross.
@@ -53,19 +53,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel.checkpointing import checkpointed
 from ...parallel.pipeline.placement import set_partition
 from ...parallel.pipeline.stage import SENDS_WHOLE_OUTPUT
+from ..checkpointing import checkpoint
 from .partition import method_weights, partition_layers
 from .spec import LayerSpec, TiedLayerSpec
 from .topology import PipeDataParallelTopology, ProcessTopology, layout_problem
-
-
-def checkpoint(function: Callable, *args: Any) -> Any:
-    """DeepSpeed's `checkpointing.checkpoint(function, *args)` signature over shardwise's activation checkpoint:
-    `function(*args)` as one region recomputed in backward (torch's non-reentrant checkpoint, the random state
-    replayed, the kept inputs offloaded when the config says so)."""
-    return checkpointed(function, *args)
 
 
 class PipelineModuleLayer(nn.Module):
