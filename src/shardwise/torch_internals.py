@@ -57,7 +57,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 __all__ = [
-    "FakeTensorMode", "at_backward_end", "children_table", "clear_dtensor_caches", "drop_forward_hooks", "flatten_mesh",
+    "FakeTensorMode", "all_reduce_sum", "all_to_all_autograd", "at_backward_end", "children_table",
+    "clear_dtensor_caches", "drop_forward_hooks", "flatten_mesh",
     "flight_recorder_trace", "process_groups", "replicate", "reshard_after_forward_over", "set_group_timeout",
     "strided_shard", "style_input_fn", "style_output_fn", "TorchDispatchMode",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
@@ -79,6 +80,21 @@ def version(tensor: torch.Tensor) -> int:
     """
     # Tensor._version: autograd's own counter; public would be a write hook, which torch lacks.
     return tensor._version
+
+
+def all_to_all_autograd(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                        group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all along dim 0 with uneven splits, whose backward is the reverse all-to-all (expert dispatch)."""
+    # torch.distributed._functional_collectives: the public torch.distributed.nn.functional.all_to_all_single is
+    # deprecated in its favour; a public functional collectives module would replace it.
+    sent = functional_collectives.all_to_all_single_autograd(tensor, output_splits, input_splits, group)
+    return functional_collectives.wait_tensor(sent)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A new tensor: the sum of `tensor` over `group` (out of place, no autograd)."""
+    # torch.distributed._functional_collectives, as above.
+    return functional_collectives.wait_tensor(functional_collectives.all_reduce(tensor, "sum", group))
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
