@@ -32,17 +32,19 @@ from shardwise.testing import run_distributed
 from shardwise.torch_internals import (
     FakeTensorMode,
     TorchDispatchMode,
-    all_reduce_sum,
-    all_to_all_autograd,
     at_backward_end,
     children_table,
     clear_dtensor_caches,
     drop_forward_hooks,
+    flash_attention_cpu,
+    flash_attention_cpu_backward,
     flatten_mesh,
     flight_recorder_trace,
     process_groups,
     replicate,
     reshard_after_forward_over,
+    ring_attention,
+    ring_attention_backward,
     set_group_timeout,
     strided_shard,
     style_input_fn,
@@ -151,23 +153,6 @@ def _flattened() -> dict:
     return {"names": flat.mesh_dim_names, "shape": tuple(flat.shape), "ranks": flat.mesh.tolist(),
             "group_size": dist.get_world_size(flat.get_group()),
             "inner": tuple(flatten_mesh(world["b", "c"], "bc").shape)}
-
-
-def _exchanged() -> dict:
-    rank = dist.get_rank()
-    rows = torch.arange(3.0 if rank == 0 else 2.0).add(10 * rank).unsqueeze(-1).requires_grad_()
-    # rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 1 to rank 0 and 1 to itself
-    sent, received = ([1, 2], [1, 1]) if rank == 0 else ([1, 1], [2, 1])
-    got = all_to_all_autograd(rows, received, sent, dist.group.WORLD)
-    (got * torch.arange(1.0, got.shape[0] + 1).unsqueeze(-1)).sum().backward()
-    return {"got": got.flatten().tolist(), "grad": rows.grad.flatten().tolist(),
-            "sum": all_reduce_sum(torch.tensor([rank + 1.0]), dist.group.WORLD).item()}
-
-
-def test_all_to_all_autograd_sends_uneven_splits_and_returns_gradients_by_the_reverse_exchange():
-    first, second = run_distributed(_exchanged, 2)
-    assert first == {"got": [0.0, 10.0], "grad": [1.0, 1.0, 2.0], "sum": 3.0}
-    assert second == {"got": [1.0, 2.0, 11.0], "grad": [2.0, 3.0], "sum": 3.0}
 
 
 def test_flatten_mesh_gives_one_axis_over_the_product_of_the_axes():
@@ -437,6 +422,34 @@ def test_torch_dispatch_mode_sees_every_aten_call():
     with Recording() as recording:
         torch.ones(2).add_(1)
     assert torch.ops.aten.add_.Tensor in recording.ops
+
+
+# ----- context parallelism -----
+
+
+def test_flash_attention_cpu_gives_sdpa_output_logsumexp_and_gradients():
+    torch.manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 2, 4, 8) for _ in range(4))
+    out, lse = flash_attention_cpu(q, k, v, is_causal=True, attn_mask=None, scale=0.5)
+    scores = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
+    assert torch.allclose(lse, scores.logsumexp(-1), atol=1e-6)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.5).backward(grad)
+    grads = flash_attention_cpu_backward(grad, q, k, v, out, lse, is_causal=True, attn_mask=None, scale=0.5)
+    assert all(torch.allclose(got, leaf.grad, atol=1e-6) for got, leaf in zip(grads, leaves))
+
+
+def test_ring_attention_calls_the_block_and_returns_output_logsumexp_and_gradients(mesh):
+    torch.manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 2, 4, 8) for _ in range(4))
+    group = mesh.get_group()
+    out, lse = ring_attention(group, flash_attention_cpu, q, k, v, True, scale=0.5, attn_mask=None)
+    assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5),
+                          atol=1e-6)
+    grads = ring_attention_backward(group, flash_attention_cpu_backward, grad, q, k, v, out, lse, True, scale=0.5,
+                                    attn_mask=None)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, flash_attention_cpu_backward(
+        grad, q, k, v, out, lse, is_causal=True, attn_mask=None, scale=0.5)))
 
 
 # ----- tests and bench only -----

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from torch.distributed.tensor import DTensor, _redistribute, debug
+from torch.distributed.tensor.experimental._context_parallel import _attention as _context_parallel_attention
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
@@ -57,7 +58,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 __all__ = [
-    "FakeTensorMode", "all_reduce_sum", "all_to_all_autograd", "at_backward_end", "children_table",
+    "FakeTensorMode", "at_backward_end", "children_table", "flash_attention_cpu",
+    "flash_attention_cpu_backward", "ring_attention", "ring_attention_backward",
     "clear_dtensor_caches", "drop_forward_hooks", "flatten_mesh",
     "flight_recorder_trace", "process_groups", "replicate", "reshard_after_forward_over", "set_group_timeout",
     "strided_shard", "style_input_fn", "style_output_fn", "TorchDispatchMode",
@@ -80,21 +82,6 @@ def version(tensor: torch.Tensor) -> int:
     """
     # Tensor._version: autograd's own counter; public would be a write hook, which torch lacks.
     return tensor._version
-
-
-def all_to_all_autograd(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                        group: dist.ProcessGroup) -> torch.Tensor:
-    """All-to-all along dim 0 with uneven splits, whose backward is the reverse all-to-all (expert dispatch)."""
-    # torch.distributed._functional_collectives: the public torch.distributed.nn.functional.all_to_all_single is
-    # deprecated in its favour; a public functional collectives module would replace it.
-    sent = functional_collectives.all_to_all_single_autograd(tensor, output_splits, input_splits, group)
-    return functional_collectives.wait_tensor(sent)
-
-
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """A new tensor: the sum of `tensor` over `group` (out of place, no autograd)."""
-    # torch.distributed._functional_collectives, as above.
-    return functional_collectives.wait_tensor(functional_collectives.all_reduce(tensor, "sum", group))
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -224,3 +211,62 @@ def process_groups() -> dict[str, tuple[dist.ProcessGroup, str, list[int]]]:
     # c10d's registry of groups; public API lists the ranks of a group one holds, but no groups.
     return {name: (group, group.group_desc, dist.get_process_group_ranks(group))
             for group, name in dist.distributed_c10d._world.pg_names.items()}
+
+
+@contextlib.contextmanager
+def _ring_options(load_balanced: bool) -> Iterator[None]:
+    """torch's ring attention reads two module-level options: set them for one call, then put them back."""
+    options = _context_parallel_attention._cp_options
+    saved = options.enable_load_balance, options.rotate_method
+    # Each step sends the key/value block to the next rank (a ring, overlapping the block's attention), where the
+    # default gathers every block at once; load balancing is the mirrored-chunk layout, meaningful only when causal.
+    options.enable_load_balance, options.rotate_method = load_balanced, _context_parallel_attention._RotateMethod.ALL_TO_ALL
+    try:
+        yield
+    finally:
+        options.enable_load_balance, options.rotate_method = saved
+
+
+def ring_attention(group: dist.ProcessGroup, block: Callable[..., tuple[torch.Tensor, ...]], query: torch.Tensor,
+                   key: torch.Tensor, value: torch.Tensor, is_causal: bool, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """Attention of the local queries over every rank's keys/values, passed around `group` in a ring: `block(q, k, v,
+    is_causal=..., **kwargs)` gives each block's (out, logsumexp), merged by their logsumexps. Returns (out, lse).
+
+    Causal calls expect the load-balanced layout (rank r holds chunks r and 2n-1-r of 2n)."""
+    # _templated_ring_attention: what torch's context_parallel() runs for the CUDA kernels; public only through
+    # context_parallel(), whose sharding rules cover no CPU kernel and no document mask in torch 2.13.
+    with _ring_options(is_causal):
+        out, lse, *_ = _context_parallel_attention._templated_ring_attention(
+            group, 2, block, query=query, key=key, value=value, is_causal=is_causal, **kwargs)
+    return out, lse
+
+
+def ring_attention_backward(group: dist.ProcessGroup, block: Callable[..., tuple[torch.Tensor, ...]],
+                            grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            out: torch.Tensor, logsumexp: torch.Tensor, is_causal: bool,
+                            **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `ring_attention`'s inputs: keys/values pass the ring again, their gradients follow them back;
+    `block(query=, key=, value=, out=, logsumexp=, grad_out=, is_causal=, **kwargs)` gives each block's."""
+    with _ring_options(is_causal):
+        grad_query, grad_key, grad_value, *_ = _context_parallel_attention._templated_ring_attention_backward(
+            group, 2, block, grad_out, "grad_out", query, key, value, out, logsumexp, is_causal, **kwargs)
+    return grad_query, grad_key, grad_value
+
+
+def flash_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool,
+                        attn_mask: torch.Tensor | None, scale: float, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash-attention kernel SDPA dispatches to, returning (out, logsumexp) as ring attention merges them.
+
+    A fully masked row comes back as out 0 and logsumexp 0 (not -inf): callers that mask whole rows fix that."""
+    # aten op behind F.scaled_dot_product_attention on CPU; the public function hides the logsumexp.
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def flash_attention_cpu_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 out: torch.Tensor, logsumexp: torch.Tensor, *, is_causal: bool,
+                                 attn_mask: torch.Tensor | None, scale: float,
+                                 **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flash_attention_cpu`'s gradients for (query, key, value), given the merged out and logsumexp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
