@@ -32,6 +32,8 @@ from shardwise.testing import run_distributed
 from shardwise.torch_internals import (
     FakeTensorMode,
     TorchDispatchMode,
+    all_reduce_sum,
+    all_to_all_autograd,
     at_backward_end,
     children_table,
     clear_dtensor_caches,
@@ -153,6 +155,23 @@ def _flattened() -> dict:
     return {"names": flat.mesh_dim_names, "shape": tuple(flat.shape), "ranks": flat.mesh.tolist(),
             "group_size": dist.get_world_size(flat.get_group()),
             "inner": tuple(flatten_mesh(world["b", "c"], "bc").shape)}
+
+
+def _exchanged() -> dict:
+    rank = dist.get_rank()
+    rows = torch.arange(3.0 if rank == 0 else 2.0).add(10 * rank).unsqueeze(-1).requires_grad_()
+    # rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 1 to rank 0 and 1 to itself
+    sent, received = ([1, 2], [1, 1]) if rank == 0 else ([1, 1], [2, 1])
+    got = all_to_all_autograd(rows, received, sent, dist.group.WORLD)
+    (got * torch.arange(1.0, got.shape[0] + 1).unsqueeze(-1)).sum().backward()
+    return {"got": got.flatten().tolist(), "grad": rows.grad.flatten().tolist(),
+            "sum": all_reduce_sum(torch.tensor([rank + 1.0]), dist.group.WORLD).item()}
+
+
+def test_all_to_all_autograd_sends_uneven_splits_and_returns_gradients_by_the_reverse_exchange():
+    first, second = run_distributed(_exchanged, 2)
+    assert first == {"got": [0.0, 10.0], "grad": [1.0, 1.0, 2.0], "sum": 3.0}
+    assert second == {"got": [1.0, 2.0, 11.0], "grad": [2.0, 3.0], "sum": 3.0}
 
 
 def test_flatten_mesh_gives_one_axis_over_the_product_of_the_axes():

@@ -36,6 +36,7 @@ from torch import nn
 
 # FSDP2's replication, DTensor-aware; a pipeline stage's piecewise backward is beyond DDP's reducer.
 # Public candidate: fully_shard(..., dp_mesh_dims=DataParallelMeshDims(replicate=...)) (new in 2.13, untried here).
+from torch.distributed import _functional_collectives as functional_collectives
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
@@ -58,7 +59,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 __all__ = [
-    "FakeTensorMode", "at_backward_end", "children_table", "flash_attention_cpu",
+    "FakeTensorMode", "all_reduce_sum", "all_to_all_autograd", "at_backward_end", "children_table",
+    "flash_attention_cpu",
     "flash_attention_cpu_backward", "ring_attention", "ring_attention_backward",
     "clear_dtensor_caches", "drop_forward_hooks", "flatten_mesh",
     "flight_recorder_trace", "process_groups", "replicate", "reshard_after_forward_over", "set_group_timeout",
@@ -82,6 +84,21 @@ def version(tensor: torch.Tensor) -> int:
     """
     # Tensor._version: autograd's own counter; public would be a write hook, which torch lacks.
     return tensor._version
+
+
+def all_to_all_autograd(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                        group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all along dim 0 with uneven splits, whose backward is the reverse all-to-all (expert dispatch)."""
+    # torch.distributed._functional_collectives: the public torch.distributed.nn.functional.all_to_all_single is
+    # deprecated in its favour; a public functional collectives module would replace it.
+    sent = functional_collectives.all_to_all_single_autograd(tensor, output_splits, input_splits, group)
+    return functional_collectives.wait_tensor(sent)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A new tensor: the sum of `tensor` over `group` (out of place, no autograd)."""
+    # torch.distributed._functional_collectives, as above.
+    return functional_collectives.wait_tensor(functional_collectives.all_reduce(tensor, "sum", group))
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
