@@ -1,5 +1,7 @@
 """The time model: collective costs per link, overlap, pipeline bubble, recompute, MFU."""
 
+from dataclasses import replace
+
 import pytest
 
 from shardwise.config import parse_config
@@ -7,7 +9,8 @@ from shardwise.planner import cluster_preset, predict_step_time, resolve_model
 from shardwise.planner import assumptions as A
 from shardwise.planner.collectives import collective_time, group_shape
 from shardwise.planner.wrapping import first_broadcast_bucket, reduce_buckets
-from shardwise.topology import Layout, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import Layout
 
 P4D = cluster_preset("4xp4d.24xlarge")
 
@@ -46,8 +49,13 @@ def _time(config: dict, cluster=P4D, model="gpt2-10b", micro_batch=2, seq=512, c
     return predict_step_time(resolve_model(model), parsed, layout, cluster, micro_batch, seq, checkpointing)
 
 
+def _without_kernel_table(cluster):
+    """The cluster with its device modelled by one achievable share of peak (a device without a kernel table)."""
+    return replace(cluster, device=replace(cluster.device, rates=None))
+
+
 def test_one_device_is_compute_plus_update_and_mfu_follows():
-    one = cluster_preset("p4d.24xlarge", devices_per_node=1)
+    one = _without_kernel_table(cluster_preset("p4d.24xlarge", devices_per_node=1))
     t = _time({"bf16": True}, cluster=one)
     spec = resolve_model("gpt2-10b")
     flops = 2 * 512 * (spec.flops_per_token(512))
@@ -57,7 +65,8 @@ def test_one_device_is_compute_plus_update_and_mfu_follows():
 
 
 def test_recompute_repeats_the_forward_of_the_blocks():
-    none, each = (_time({"bf16": True}, checkpointing=c) for c in ("none", "each"))
+    flat = _without_kernel_table(P4D)
+    none, each = (_time({"bf16": True}, cluster=flat, checkpointing=c) for c in ("none", "each"))
     spec = resolve_model("gpt2-10b")
     block_share = spec.forward_flops_per_token(512, spec.layers) / (spec.forward_flops_per_token(512, spec.layers)
                                                                     + spec.edge_flops_per_token())

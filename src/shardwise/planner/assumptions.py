@@ -2,7 +2,12 @@
 
 # Fraction of a device's peak FLOP/s that transformer training kernels sustain
 # (large GEMMs reach 60-80 %; norms, softmax, elementwise ops and launches pull the step to ~50 %).
+# Devices with a kernel table (hardware.KernelRates) are modelled kernel by kernel instead (efficiency.py).
 ACHIEVABLE_FLOPS_FRACTION = 0.5
+
+# Share of the memory bandwidth a streaming (elementwise) kernel reaches: a device-to-device copy or a
+# read-read-write kernel measures 90-91 % of the data sheet's HBM bandwidth on Hopper parts.
+STREAMING_EFFICIENCY = 0.9
 
 # Fraction of a link's nominal per-direction bandwidth a collective achieves (NCCL bus bandwidth
 # on NVLink/EFA/InfiniBand measures 75-85 % of nominal). A cluster may give its own (ClusterSpec.link_efficiency).

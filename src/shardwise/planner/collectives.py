@@ -4,7 +4,9 @@ Costs are per rank, in the alpha-beta model: each of a ring's steps pays the lin
 latency, and each byte pays the link's bandwidth times the cluster's `link_efficiency`. A group
 that spans nodes runs hierarchically (as NCCL does across NVLink and the network):
 the intra-node part moves the whole buffer over the node's links, the inter-node
-part moves 1/r of it per rank, and all ranks of a node share the node's NICs.
+part moves 1/r of it per rank, and all ranks of a node share the node's NICs;
+between nodes an all-reduce pays the latency of a ring or of NCCL's tree,
+whichever is less.
 On a cluster of `flat_rings` (gloo) every collective is one ring over the group's
 ranks, node by node, paced by its edge between nodes, which carries 1/n of the
 buffer per step and shares the node's link with the other groups' edges; gloo
@@ -13,6 +15,7 @@ reduce-scatters by all-reducing the whole buffer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
@@ -93,8 +96,18 @@ def collective_time(kind: str, nbytes: float, shape: GroupShape, cluster: Cluste
     if k == 1:
         return LinkTime(intra=intra)
     per_rank_bw = cluster.inter_node_bandwidth * cluster.link_efficiency / cluster.devices_per_node
-    inter = passes * ((k - 1) / k * nbytes / r / per_rank_bw + calls * (k - 1) * cluster.inter_node_latency)
+    inter = passes * (k - 1) / k * nbytes / r / per_rank_bw + calls * _inter_node_steps(kind, k) * cluster.inter_node_latency
     return LinkTime(intra=intra, inter=inter)
+
+
+def _inter_node_steps(kind: str, nodes: int) -> float:
+    """Latencies one collective pays between `nodes` nodes: a ring's passes × (nodes - 1) steps, or for an
+    all-reduce NCCL's double binary tree, up and down its depth (2 log2 nodes), whichever is fewer: NCCL picks
+    the tree where its latency wins, at many nodes and small buffers; it moves the bytes at the same rate."""
+    ring = _PASSES[kind] * (nodes - 1)
+    if kind != "all_reduce":
+        return ring
+    return min(ring, 2 * math.log2(nodes))
 
 
 def _flat_ring_time(kind: str, nbytes: float, shape: GroupShape, cluster: ClusterSpec, calls: int) -> LinkTime:

@@ -37,6 +37,21 @@ class Kernels:
 
 
 @dataclass(frozen=True)
+class KernelRates:
+    """Shares of a device's peak FLOP/s its kernels sustain, measured by microbenchmarks (efficiency.py).
+
+    `matmul`: the best large GEMM (the "maximum achievable matmul FLOPS", MAMF); `attention`: the fused flash
+    kernel forward and backward, causal, head dim 128, in its authors' FLOP accounting; `memory`: the share
+    of the memory bandwidth a streaming (elementwise) kernel reaches.
+    """
+
+    matmul: float
+    attention: float
+    sms: int                  # streaming multiprocessors: the tiles of one wave
+    memory: float = A.STREAMING_EFFICIENCY
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     name: str
     memory_bytes: float
@@ -48,9 +63,37 @@ class DeviceSpec:
     memory_is_host: bool = False         # a CPU: offloading to host memory moves nothing and saves nothing
     fixed_mmap_threshold: bool = False   # a CPU whose ranks run with MALLOC_MMAP_THRESHOLD_ set: glibc keeps no freed
                                          # large blocks (planner.md; off by default, it costs step time)
+    rates: Optional[KernelRates] = None  # kernel by kernel (efficiency.py); None: one achievable share of peak
+    boost_clock_mhz: Optional[float] = None   # the clock the data sheet's peak assumes
+    tdp_watts: Optional[float] = None         # the board power the data sheet's peak assumes
+    clock_fraction: float = 1.0               # sustained clock / boost clock (a capped or down-clocked part)
 
     def supports(self, dtype: str) -> bool:
         return dtype in self.peak_flops
+
+    def sustained_flops(self, dtype: str) -> float:
+        """Peak FLOP/s at the clock the part runs at (MFU stays against the data sheet's peak, as published)."""
+        return self.peak_flops[dtype] * self.clock_fraction
+
+    @property
+    def streaming_bandwidth(self) -> float:
+        """Bytes/s a memory-bound kernel moves."""
+        return self.memory_bandwidth * (self.rates.memory if self.rates else 1.0)
+
+    def clocked(self, clock_mhz: Optional[float] = None, power_limit_watts: Optional[float] = None) -> "DeviceSpec":
+        """This device at a sustained clock, or under a board power limit: dynamic power goes as f·V² and the
+        voltage with the clock, so the clock as the cube root of the power (first order; memory bandwidth,
+        clocked apart, stays)."""
+        fraction = self.clock_fraction
+        if clock_mhz is not None:
+            if not self.boost_clock_mhz:
+                raise PlanError(f"{self.name} has no boost clock to scale from; give --peak-tflops instead")
+            fraction = min(1.0, clock_mhz / self.boost_clock_mhz)
+        if power_limit_watts is not None:
+            if not self.tdp_watts:
+                raise PlanError(f"{self.name} has no rated board power to scale from; give --peak-tflops instead")
+            fraction = min(fraction, (min(power_limit_watts, self.tdp_watts) / self.tdp_watts) ** (1 / 3))
+        return replace(self, clock_fraction=fraction)
 
 
 @dataclass(frozen=True)
@@ -84,11 +127,21 @@ class ClusterSpec:
         return max(faster, key=lambda d: flops[d]) if faster else "fp32"
 
 
+# Kernel rates (docs/planner.md, "Where the time goes"): matmul, the MAMF table of Bekman's ml-engineering
+# (compute/accelerator/README.md: A100 SXM 267.9 of 312 TFLOP/s, H100 SXM 792.1 of 989, bf16, CUDA 12.1);
+# attention, FlashAttention-2 (Dao, 2023, arXiv:2307.08691, section 4.1: forward + backward, causal, head dim
+# 128, long sequences: about 200 TFLOP/s on A100 80GB SXM4 and 335 on H100 SXM5).
+# SMs: the data sheets' 108 (A100) and 132 (H100 SXM5).
+A100_RATES = KernelRates(matmul=267.9 / 312, attention=200 / 312, sms=108)
+H100_RATES = KernelRates(matmul=792.1 / 989, attention=335 / 989, sms=132)
 A100_40GB = DeviceSpec("A100-SXM4-40GB", 40 * GiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
-                       1555 * GB, 25 * GB, runtime_reserve_bytes=1 * GiB)
+                       1555 * GB, 25 * GB, runtime_reserve_bytes=1 * GiB, rates=A100_RATES, boost_clock_mhz=1410,
+                       tdp_watts=400)
 A100_80GB = replace(A100_40GB, name="A100-SXM4-80GB", memory_bytes=80 * GiB, memory_bandwidth=2039 * GB)
 H100_80GB = DeviceSpec("H100-SXM5-80GB", 80 * GiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
-                       3350 * GB, 50 * GB, runtime_reserve_bytes=1 * GiB)
+                       3350 * GB, 50 * GB, runtime_reserve_bytes=1 * GiB, rates=H100_RATES, boost_clock_mhz=1980,
+                       tdp_watts=700)
+DEVICES = {d.name: d for d in (A100_40GB, A100_80GB, H100_80GB)}
 T4_16GB = DeviceSpec("T4-16GB", 15 * GiB, {"fp32": 8.1e12, "fp16": 65e12}, 320 * GB, 12 * GB,
                      runtime_reserve_bytes=0.5 * GiB)
 A10G_24GB = DeviceSpec("A10G-24GB", 22 * GiB, {"fp32": 31.2e12, "bf16": 125e12, "fp16": 125e12},
@@ -155,6 +208,7 @@ def cluster_preset(text: str, **overrides) -> ClusterSpec:
 def _device_overrides(device: DeviceSpec, overrides: dict) -> DeviceSpec:
     memory = overrides.pop("device_memory_bytes", None)
     flops = overrides.pop("peak_flops", None)
+    device = device.clocked(overrides.pop("clock_mhz", None), overrides.pop("power_limit_watts", None))
     fixed_mmap_threshold = overrides.pop("fixed_mmap_threshold", None)
     if memory is not None:
         device = replace(device, memory_bytes=memory)

@@ -92,6 +92,11 @@ class ModelSpec:
         return max(s.output_elements for s in stages[:-1]) if stages else self.hidden
 
     @property
+    def causal(self) -> bool:
+        """Decoder language models attend only to earlier positions (a fused kernel skips the rest)."""
+        return self.family in ("gpt2", "llama")
+
+    @property
     def layer_parameters(self) -> int:
         return sum(self.layer_tensors)
 

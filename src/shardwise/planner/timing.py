@@ -20,10 +20,13 @@ from dataclasses import dataclass, fields, replace
 
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
-from ..topology.decisions import secondary_partition
+from ..config.decisions import Decisions
 from . import assumptions as A
+from . import efficiency
 from .activations import keeps_matmuls, recomputed_elementwise_bytes, region_blocks
+from .bubbles import bubble_share, busiest_rank
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
+from .efficiency import BlockSeconds, block_seconds, head_seconds
 from .hardware import ClusterSpec
 from .offload import activation_transfers, host_states, state_transfers
 from .spec import ModelSpec
@@ -139,12 +142,13 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     traffic.add("forward", "all_gather", gathered, ("dp_shard",), "parameter")
     if stage == 3:  # under ZeRO++ hpZ from the secondary shards forward left, inside the secondary group
         traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter",
-                    within=secondary_partition(config, layout))
+                    within=Decisions(config, layout).secondary_partition)
     traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), "gradient")
     # MiCS's cross-group all-reduce: one per unit (the blocks, then the root), overlapping the last backward, or
-    # (cross_group_overlap: forward, parallel/cross_group.py) also the optimizer step and the next forward
+    # (cross_group_overlap: forward, parallel/sharding/mics.py) also the optimizer step and the next forward
     shards = rank_params / layout.dp_shard * cross_group_bytes(config, layout)
-    when = "whole_step" if config.cross_group_overlap == "forward" and layout.pp == 1 else "sync"
+    cross_group = Decisions(config, layout).cross_group
+    when = "whole_step" if cross_group is not None and cross_group.deferred else "sync"
     traffic.add(when, "all_reduce", shards, ("dp_replicate",), "gradient shard", spec.stage_layers(layout.pp) + 1)
 
 
@@ -182,17 +186,18 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     return (scattered + gathered + summed).serial
 
 
-def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float, rounds: int) -> float:
-    """Exposed pipeline sends: on every round's fill and drain, pp - 1 hops forward and back wait for the link."""
+def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float, rounds: int, virtual: int) -> float:
+    """Exposed pipeline sends: on every round's fill and drain, pp·v - 1 hops between chunks forward and back wait
+    for the link."""
     layout = traffic.layout
     if layout.pp == 1:
         return 0.0
     crosses = group_shape(layout, cluster.devices_per_node, ("pp",)).crosses_nodes
     send = p2p_time(activation, crosses, cluster)
     m = traffic.microbatches
-    traffic.records.append(Collective("activation send/recv (fill and drain exposed)", "pp", 2 * m * activation,
-                                      send.link, 2 * m * send.serial))
-    return 2 * (layout.pp - 1) * rounds * send.serial
+    traffic.records.append(Collective("activation send/recv (fill and drain exposed)", "pp",
+                                      2 * m * virtual * activation, send.link, 2 * m * virtual * send.serial))
+    return 2 * (layout.pp * virtual - 1) * rounds * send.serial
 
 
 def _optimizer_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
@@ -231,16 +236,48 @@ def pipeline_slots(config: ShardwiseConfig, layout: Layout) -> int:
 
 
 def _recompute_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec, micro_batch: int,
-                       seq: int, checkpointing: str, blocks_fwd: float) -> float:
+                       seq: int, checkpointing: str, blocks: BlockSeconds) -> float:
     """A checkpointed stage recomputes its blocks' forward; one keeping its matmuls only their elementwise ops,
     memory-bound: each tensor they keep written and its input read once, at the device's memory bandwidth."""
     if not region_blocks(checkpointing, spec.stage_layers(layout.pp)):
         return 0.0
     if not keeps_matmuls(checkpointing):
-        return blocks_fwd
+        return blocks.forward
     per_token = recomputed_elementwise_bytes(spec, seq, numerics(config, layout), cluster.device.kernels, layout.tp,
                                              config.sequence_parallel)
-    return 2 * per_token * micro_batch * seq * spec.stage_layers(layout.pp) / cluster.device.memory_bandwidth
+    return (2 * per_token * micro_batch * seq * busiest_rank(spec, config, layout.pp).blocks
+            / cluster.device.streaming_bandwidth)
+
+
+def _stage_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
+                   micro_batch: int, seq: int) -> tuple[BlockSeconds, BlockSeconds]:
+    """(the busiest rank's blocks, the rest of its work: head, patch projection) for one microbatch: kernel by
+    kernel where the device has a kernel table (efficiency.py), else its FLOPs at one share of peak."""
+    tokens, tp, device = micro_batch * seq, layout.tp, cluster.device
+    peak = device.sustained_flops(config.dtype_name)
+    if efficiency.modelled(spec, device) and not spec.graph_stages(layout.pp):
+        rank = busiest_rank(spec, config, layout.pp)
+        kinds = numerics(config, layout)
+        blocks = block_seconds(spec, tokens, seq, kinds, tp, config.sequence_parallel, device, peak)
+        head = head_seconds(spec, tokens, kinds, tp, device, peak) if rank.holds_head else BlockSeconds(*[0.0] * 6)
+        return blocks.scaled(rank.blocks), head
+    rate = peak * A.ACHIEVABLE_FLOPS_FRACTION
+    in_blocks, outside = spec.stage_flops_per_token(seq, layout.pp)
+    blocks_fwd, edge_fwd = tokens * in_blocks / tp / rate, tokens * outside / tp / rate
+    return BlockSeconds(blocks_fwd, 0.0, 0.0, 2 * blocks_fwd, 0.0, 0.0), BlockSeconds(edge_fwd, 0.0, 0.0,
+                                                                                     2 * edge_fwd, 0.0, 0.0)
+
+
+def _pipeline_bubble(config: ShardwiseConfig, layout: Layout, t_mb: float, work: float, forward: float,
+                     weight_grad: float) -> float:
+    """Idle time of the busiest rank per step: every round's fill and drain as its schedule leaves them
+    (bubbles.py), one microbatch's `t_mb` seconds split into F, B and W in the shares of its `work`."""
+    if layout.pp == 1 or work == 0:
+        return 0.0
+    f, w = t_mb * forward / work, t_mb * weight_grad / work
+    per_round = bubble_share(config.pipeline_schedule, layout.pp, config.stages_per_rank, f, t_mb - f - w, w)
+    gpipe_rounds = pipeline_slots(config, layout) - config.microbatches - pipeline_rounds(config) * (layout.pp - 1)
+    return pipeline_rounds(config) * per_round + gpipe_rounds * t_mb
 
 
 def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
@@ -248,27 +285,27 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     """Seconds per optimizer step on the busiest stage, with tokens/s and MFU for the whole cluster."""
     m, pp, tp = config.microbatches, layout.pp, layout.tp
     peak = cluster.device.peak_flops[config.dtype_name]
-    rate = peak * A.ACHIEVABLE_FLOPS_FRACTION
-    layers, tokens = spec.stage_layers(pp), micro_batch * seq
-    in_blocks, outside = spec.stage_flops_per_token(seq, pp)
-    blocks_fwd = tokens * in_blocks / tp / rate
-    forward = blocks_fwd + tokens * outside / tp / rate
-    recompute = _recompute_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing, blocks_fwd)
-    activation = tokens * spec.boundary_elements(pp) * compute_bytes(config)
+    layers = busiest_rank(spec, config, pp).blocks if not spec.graph_stages(pp) else spec.stage_layers(pp)
+    blocks, edge = _stage_seconds(spec, config, layout, cluster, micro_batch, seq)
+    forward, backward = blocks.forward + edge.forward, blocks.backward + edge.backward
+    recompute = _recompute_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing, blocks)
+    activation = micro_batch * seq * spec.boundary_elements(pp) * compute_bytes(config)
     traffic = _Traffic(cluster, layout, m, layers)
     tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0)
     _data_parallel_traffic(traffic, config, layout, spec)
 
-    busy = 3 * forward + recompute + tp_time
+    busy = forward + backward + recompute + tp_time
     fwd_phase = _phase(forward, traffic.forward, layers)
-    t_mb = fwd_phase + _phase(2 * forward + recompute, traffic.backward, layers) + tp_time
-    t_last = fwd_phase + _phase(2 * forward + recompute, traffic.backward + traffic.sync, layers) + tp_time
+    t_mb = fwd_phase + _phase(backward + recompute, traffic.backward, layers) + tp_time
+    t_last = fwd_phase + _phase(backward + recompute, traffic.backward + traffic.sync, layers) + tp_time
     # ZeRO-1's broadcasts stretch the first forward (nothing else overlaps it then: ZeRO-1 gathers nothing)
     t_first = _phase(forward, traffic.next_forward, layers, traffic.first_bucket) - forward
-    time = StepTime(compute=3 * forward * m, recompute=recompute * m, tensor_parallel=tp_time * m,
+    weight_grad = (blocks.matmul_backward + edge.matmul_backward) / 2
+    time = StepTime(compute=(forward + backward) * m, recompute=recompute * m, tensor_parallel=tp_time * m,
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial,
-                    pipeline_bubble=(pipeline_slots(config, layout) - m) * t_mb,
-                    pipeline_p2p=_pipeline_p2p(traffic, cluster, activation, pipeline_rounds(config)),
+                    pipeline_bubble=_pipeline_bubble(config, layout, t_mb, busy, forward + recompute, weight_grad),
+                    pipeline_p2p=_pipeline_p2p(traffic, cluster, activation, pipeline_rounds(config),
+                                               config.stages_per_rank),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
                     offload=_offload_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing,
                                              m * busy))

@@ -1,0 +1,83 @@
+"""The planner held against published, measured training runs (tests/planner_published_runs.yaml, each with its
+source and its mapping to a shardwise config). The bounds are what the model achieves, as docs/planner.md
+reports it run by run ("Held against published runs"); the issue's goal (every run within ±15 %, Spearman
+ρ ≥ 0.8 on MFU, every trained run predicted to fit) is not met yet, and these say by how much."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardwise.planner.published import compare, megatron_flops_per_token, spearman, summarize
+from shardwise.planner.families import spec_from_hf
+
+RUNS = yaml.safe_load((Path(__file__).parent / "planner_published_runs.yaml").read_text())
+
+# Trained runs the planner says do not fit, and why (docs/planner.md): Llama 3's sequence parallelism under a
+# pipeline is not expressible, so its mapping keeps whole activations; the others are within the 10 %
+# fragmentation margin of the device (the memory model is 15 % over torchtitan's published peak).
+NOT_FITTING = {
+    "Llama 3 405B, 8192 x H100 80GB, TP 8 x PP 16 x DP 64",
+    "Llama 3 405B, 16384 x H100 80GB, TP 8 x PP 16 x DP 128",
+    "torchtitan Llama 2 13B, 64 x A100 80GB, no AC",
+    "llm-foundry MPT-3B, 8 x H100 80GB, seq 8192, micro 3 x 6, no AC",
+    "llm-foundry MPT-30B, 8 x A100 80GB, seq 2048, micro 3 x 21, full AC",
+}
+
+
+@pytest.fixture(scope="module")
+def summary():
+    return summarize(RUNS)
+
+
+def test_every_run_has_a_source_a_mapping_and_a_measurement():
+    assert len(RUNS) >= 18
+    for run in RUNS:
+        assert run["source"] and run["mapping"], run["name"]
+        assert set(run["measured"]) in ({"tokens_per_s_per_device"}, {"tflops_per_device", "convention"})
+
+
+def test_megatron_flops_follow_the_paper():
+    """Narayanan et al. 2021, eq. 3, for the 145.6B row: 96·B·s·l·h²(1 + s/6h + V/16lh) per iteration."""
+    spec = spec_from_hf({"model_type": "gpt2", "n_embd": 12288, "n_layer": 80, "n_head": 96, "vocab_size": 51200,
+                         "n_positions": 2048}, "gpt")
+    per_token = 96 * 80 * 12288 ** 2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 80 * 12288))
+    assert megatron_flops_per_token(spec, 2048) == pytest.approx(per_token)
+
+
+def test_spearman_ranks():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0)
+
+
+def test_the_comparison_as_measured(summary):
+    print("\n" + summary.table())
+    assert summary.mean_absolute_error < 0.25
+    assert summary.mfu_rank_correlation > 0.75
+    assert summary.within(0.15) >= 12
+    assert summary.within(0.25) >= 18
+
+
+def test_megatron_weak_scaling_within_15_percent(summary):
+    """Megatron's ten GPT runs, 32 to 3072 A100s, TP and PP up to 8 × 64: every one within ±15 %."""
+    megatron = [c for c in summary.comparisons if c.name.startswith("Megatron-LM")]
+    assert len(megatron) == 10
+    assert all(abs(c.error) <= 0.15 for c in megatron), [(c.name, f"{c.error:+.0%}") for c in megatron]
+
+
+def test_every_run_is_predicted_faster_than_half_and_slower_than_twice(summary):
+    assert all(-0.65 < c.error < 0.6 for c in summary.comparisons), \
+        [(c.name, f"{c.error:+.0%}") for c in summary.comparisons]
+
+
+def test_trained_runs_predicted_not_to_fit_are_the_documented_ones(summary):
+    assert set(summary.trained_but_predicted_not_to_fit) <= NOT_FITTING
+
+
+def test_a_power_cap_slows_the_prediction():
+    run = next(r for r in RUNS if "500 W" in r["name"])
+    capped = compare(run)
+    uncapped = compare({**run, "cluster": {k: v for k, v in run["cluster"].items() if k != "power_limit_watts"}})
+    assert capped.predicted_tokens_per_s < uncapped.predicted_tokens_per_s
+    assert capped.predicted_mfu < uncapped.predicted_mfu
