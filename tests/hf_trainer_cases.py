@@ -70,6 +70,14 @@ class StepCounter:
         self.steps += 1
 
 
+def token_accuracy(prediction: Any) -> dict:
+    """compute_metrics: how often the logits' top token is the next label (masked labels left out)."""
+    guesses = prediction.predictions[:, :-1].argmax(-1)
+    targets = prediction.label_ids[:, 1:]
+    kept = targets != -100
+    return {"accuracy": float((guesses == targets)[kept].mean())}
+
+
 def deepspeed_optimizers(model: torch.nn.Module, warmup_steps: int, lr: float = 1e-3) -> tuple:
     """What DeepSpeed builds from the Hugging Face configs' AdamW and WarmupLR blocks once the Trainer filled them
     (`run`'s arguments): torch's AdamW over the trainable parameters in one group, and DeepSpeed's WarmupLR (log
@@ -82,13 +90,15 @@ def deepspeed_optimizers(model: torch.nn.Module, warmup_steps: int, lr: float = 
 
 
 def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate: bool = True,
-        resume: Any = None, deepspeed_reference: bool = False, save_to: Optional[str] = None, **more: Any) -> dict:
+        resume: Any = None, deepspeed_reference: bool = False, save_to: Optional[str] = None, predict: bool = False,
+        **more: Any) -> dict:
     """One rank: train (and evaluate) a tiny GPT-2 with `kind` "plain" (transformers.Trainer), "shardwise"
     (shardwise.hf.Trainer under the shardwise config `layout`, as `shardwise run --config` gives it) or
     "transformers-arguments" (shardwise.hf.Trainer given transformers' own TrainingArguments).
     `deepspeed_reference`: the plain Trainer with the optimizer and schedule DeepSpeed builds from a Hugging Face
     config (`deepspeed_optimizers`). `save_to`: then `save_model` there, and rank 0 loads it with `from_pretrained`
-    (its state dict is returned as `loaded`)."""
+    (its state dict is returned as `loaded`). `predict`: evaluate with `token_accuracy` as compute_metrics, then
+    `predict` the evaluation rows (rank 0's predictions are returned)."""
     import transformers
 
     if kind == "plain":
@@ -111,9 +121,10 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
     optimizers = deepspeed_optimizers(model, args.warmup_steps) if deepspeed_reference else (None, None)
     counter = StepCounter()
     trainer = Trainer(model=model, args=args, train_dataset=rows(), eval_dataset=rows(16, seed=8),
-                      optimizers=optimizers, callbacks=[counter])
+                      optimizers=optimizers, callbacks=[counter], compute_metrics=token_accuracy if predict else None)
     output = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate() if evaluate else {}
+    predicted = trainer.predict(rows(16, seed=8)) if predict else None
     wrapped = trainer.model_wrapped
     state = trainer.model.state_dict() if kind == "plain" else wrapped.full_state_dict()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -133,7 +144,9 @@ def run(kind: str, out: str, micro: int, layout: Optional[dict] = None, evaluate
     return {"history": trainer.state.log_history, "losses": losses(trainer.state.log_history),
             "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
             "lrs": [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e],
-            "eval_loss": metrics.get("eval_loss"), "train_loss": output.training_loss,
+            "eval_loss": metrics.get("eval_loss"), "eval_accuracy": metrics.get("eval_accuracy"),
+            "predictions": torch.from_numpy(predicted.predictions) if predicted is not None and rank == 0 else None,
+            "test_metrics": predicted.metrics if predicted is not None else None, "train_loss": output.training_loss,
             "global_step": trainer.state.global_step, "steps_run": counter.steps, "layout": layout, "loaded": loaded,
             "decays": sorted({group["weight_decay"] for group in trainer.optimizer.param_groups}),
             "state": {k: v.detach().cpu().clone() for k, v in state.items()} if rank == 0 else None}
@@ -149,6 +162,11 @@ def assert_same(ranks: list[dict], want: dict, tolerance: float = 1e-5, state_to
     assert got["decays"] == want["decays"]  # the Trainer's groups (no decay on biases and norms), or DeepSpeed's one
     if want["eval_loss"] is not None:
         assert abs(got["eval_loss"] - want["eval_loss"]) <= tolerance * max(1.0, abs(want["eval_loss"]))
+    if want["predictions"] is not None and got["predictions"] is not None:  # compute_metrics and predict
+        assert got["eval_accuracy"] == want["eval_accuracy"]
+        torch.testing.assert_close(got["predictions"], want["predictions"], rtol=tolerance, atol=tolerance)
+        for name in ("test_loss", "test_accuracy"):
+            assert abs(got["test_metrics"][name] - want["test_metrics"][name]) <= tolerance, name
     for name, value in want["state"].items():  # relative to each tensor's norm, as tiny_models compares
         if name in got["state"]:
             assert relative_error(got["state"][name], value) <= (state_tolerance or tolerance), name

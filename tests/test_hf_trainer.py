@@ -15,6 +15,7 @@ import pytest
 
 from hf_trainer_cases import assert_same, run
 from shardwise.testing import run_distributed
+from tiny_models import SEQ, VOCAB
 
 MICRO = 2
 
@@ -60,14 +61,18 @@ def test_tensor_parallel_needs_the_shared_batch(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference_one_batch(tmp_path_factory) -> dict:
-    """One process with one micro batch: what a single replica trains."""
-    return run_distributed(run, 1, "plain", str(tmp_path_factory.mktemp("plain_one")), MICRO, timeout=300)[0]
+    """One process with one micro batch: what a single replica trains (evaluated with compute_metrics, and
+    predicting)."""
+    return run_distributed(run, 1, "plain", str(tmp_path_factory.mktemp("plain_one")), MICRO, predict=True,
+                           timeout=300)[0]
 
 
-def test_pipeline_trains_and_evaluates_as_one_process(reference_one_batch, tmp_path):
-    """2 stages, each micro-step's batch in 2 pipeline microbatches, the embedding and head tied across stages."""
+def test_pipeline_trains_evaluates_and_predicts_as_one_process(reference_one_batch, tmp_path):
+    """2 stages, each micro-step's batch in 2 pipeline microbatches, the embedding and head tied across stages;
+    then evaluate with compute_metrics and predict: the same metrics and logits as one process."""
     layout = {"pipeline_parallel_degree": 2, "microbatches": 2}
-    ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, timeout=300)
+    ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, predict=True, timeout=300)
+    assert ranks[0]["predictions"].shape == (16, SEQ, VOCAB)  # every evaluation row's logits, once
     assert_same(ranks, reference_one_batch)
 
 

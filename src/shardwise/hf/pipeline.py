@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..api.model import DistributedModel
 from ..api.step import StepOutput, step
+from ..runtime import ranks
 from ..runtime.state import current
 from ..torch_internals import tree_map_only
 
@@ -29,8 +31,9 @@ def _count(num_items_in_batch: Any) -> Optional[float]:
 
 def _scaled_for_accumulation(trainer: Any, count: Optional[float]) -> bool:
     """The Trainer's rule: a loss normalised by the token count (or a custom loss) is already scaled for it."""
-    if trainer.loss_is_scaled_for_ga is not None:
-        return trainer.loss_is_scaled_for_ga
+    stated = getattr(trainer, "loss_is_scaled_for_ga", None)  # a Trainer attribute from transformers 5.19 on
+    if stated is not None:
+        return stated
     return (trainer.model_accepts_loss_kwargs and count is not None) or trainer.compute_loss_func is not None
 
 
@@ -42,7 +45,10 @@ def _training_function(trainer: Any) -> Callable:
         if not _scaled_for_accumulation(trainer, count):
             loss = loss / trainer.current_gradient_accumulation_steps
         pieces = current("shardwise.hf").config.microbatches
-        model.backward(loss * pieces if count is not None else loss)  # each piece is its share: their sum
+        # accelerate's backward divides by its accumulation steps (1 from transformers 5.x's later releases on, the
+        # Trainer's own before): the same gradients as the Trainer's backward in every version
+        scale = (pieces if count is not None else 1) / trainer.accelerator.gradient_accumulation_steps
+        model.backward(loss * scale)  # with the token count each piece is its share: their sum
         return loss
 
     return micro_step
@@ -63,10 +69,18 @@ def training_step(trainer: Any, model: DistributedModel, inputs: dict[str, Any],
     return loss.detach().to(trainer.args.device)
 
 
+def _from_first_stage(value: Optional[torch.Tensor]) -> torch.Tensor:
+    """Pipeline rank 0's `value` on every stage of this pipeline: the Trainer pads and gathers predictions over
+    every rank, so each needs them (the step leaves them on rank 0 and the last stage only)."""
+    held = [value]
+    dist.broadcast_object_list(held, group=ranks.get_pp_process_group(), group_src=0)
+    return held[0]
+
+
 class WholeBatchForward:
-    """A pipelined model called on a whole batch, for the Trainer's evaluation: one `@sw.step` without
-    gradients, its outputs as one process's (the loss combined over microbatches as `training_step` combines
-    it; per-row outputs joined, present on pipeline rank 0 and the last stage)."""
+    """A pipelined model called on a whole batch, for the Trainer's evaluation and prediction: one `@sw.step`
+    without gradients, its outputs as one process's on every stage (the loss combined over microbatches as
+    `training_step` combines it; per-row outputs, logits say, joined and sent from pipeline rank 0)."""
 
     def __init__(self, model: DistributedModel):
         self.model = model
@@ -95,4 +109,10 @@ class WholeBatchForward:
                 return value.reduce_sum() if count is not None else value.reduce_mean()
             return value.concat()
 
-        return tree_map_only(StepOutput, combined, outputs)
+        def everywhere(value: StepOutput) -> Any:
+            # Every rank holds the scalars; rank 0 sends the per-row values (same tree order on every rank).
+            if value.outputs and torch.is_tensor(value.outputs[0]) and value.outputs[0].dim() == 0:
+                return combined(value)
+            return _from_first_stage(combined(value) if ranks.pp_rank() == 0 else None)
+
+        return tree_map_only(StepOutput, everywhere, outputs)

@@ -280,10 +280,7 @@ class ShardwiseTrainerMixin:
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Optional[list[str]] = None) -> tuple:
-        if self.shardwise_model.runs_whole_step:
-            if not prediction_loss_only:
-                raise ValueError("under pipeline parallelism shardwise.hf evaluates the loss only (the logits stay on "
-                                 "the last stage): pass no compute_metrics, or set prediction_loss_only=True")
+        if self.shardwise_model.runs_whole_step:  # the batch through the schedule, its outputs on every stage
             return super().prediction_step(pipeline.WholeBatchForward(self.shardwise_model), inputs,
                                            prediction_loss_only, ignore_keys=ignore_keys)
         # An evaluation step in the model's step context too (a vocabulary-parallel loss needs it).
