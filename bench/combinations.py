@@ -30,7 +30,7 @@ from combinations import (AXES, TOLERANCE, compare, config_for, name_of, pairwis
 from shardwise.config import ConfigError  # noqa: E402
 from shardwise.testing import DistributedTestError, run_distributed, shutdown_pools  # noqa: E402
 from shardwise.topology import Cluster  # noqa: E402
-from shardwise.topology.layout import validate  # noqa: E402
+from shardwise.config.layout import validate  # noqa: E402
 
 
 def run_one(combo: dict) -> dict:

@@ -58,7 +58,8 @@ import psutil
 from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, predict_memory, spec_from_hf
 from shardwise.planner.offload import activation_transfers, state_transfers
-from shardwise.topology import Cluster, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster
 
 RANKS = 4
 ROWS = 2  # sequences per data-parallel rank and step: PP 2 splits them into 2 microbatches
@@ -114,7 +115,7 @@ def checkpointing_of(variant: str) -> str:
 # ------------------------------------------------------------------------------------------ one trial, per rank
 
 def _counting_mover():
-    from shardwise.parallel.activation_offload import StayOnDevice
+    from shardwise.parallel.recompute.offload import StayOnDevice
 
     class Counting(StayOnDevice):
         """Keeps tensors where they are (a CPU device) and counts what an accelerator would copy."""
@@ -172,7 +173,7 @@ def prepare(spec: dict, mark: Callable[[str], None] = lambda phase: None) -> Tra
     from torch.utils.data import TensorDataset
 
     import shardwise as sw
-    from shardwise.parallel.activation_offload import schedule_for
+    from shardwise.api.recompute import runtime_offload
     from shardwise.runtime.state import current
 
     sw.init(spec["config"])
@@ -186,7 +187,7 @@ def prepare(spec: dict, mark: Callable[[str], None] = lambda phase: None) -> Tra
         for block in model.get_module().transformer.h:
             sw.set_activation_checkpointing(block)
     mark("wrap")
-    schedule = schedule_for(current())
+    schedule = runtime_offload(current())
     mover = None
     if schedule is not None:
         mover = schedule.mover = _counting_mover()

@@ -31,7 +31,8 @@ from measure import measure_all
 from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, predict_memory, spec_from_hf
 from shardwise.testing import run_distributed, shutdown_pools
-from shardwise.topology import Cluster, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster
 
 BASELINES = ("torch DDP", "torch FSDP2")
 CATEGORIES = ("PARAM", "GRAD", "OPT", "ACT", "TEMP", "BUFFER", "OTH")

@@ -17,7 +17,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.config import IneffectiveSettingsWarning
-from shardwise.parallel.activation_offload import StayOnDevice, schedule_for
+from shardwise.api.recompute import runtime_offload
+from shardwise.parallel.recompute.offload import StayOnDevice
 from shardwise.parallel.pipeline.stage import Elsewhere
 from shardwise.runtime.state import current
 from shardwise.testing import run_distributed
@@ -83,7 +84,7 @@ def one_process(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", IneffectiveSettingsWarning)  # the CPU notice, tested below
             sw.init(config)
-            return schedule_for(current())
+            return runtime_offload(current())
 
     yield start
     sw.shutdown()
@@ -157,7 +158,7 @@ def test_a_region_inside_another_is_left_to_the_outer_one(one_process):
 def train_offloaded(config: dict, kind: str = "gpt2") -> dict:
     """One rank of the seed's loop, every block checkpointed and its kept inputs copied away and back."""
     sw.init({**config, "offload_activations": True, "activation_loading_horizon": 1})
-    mover = schedule_for(current()).mover = Copying()
+    mover = runtime_offload(current()).mover = Copying()
     model = sw.DistributedModel(build(kind, freeze_key_bias=True))
     held = [block for block in blocks(model.get_module()) if not isinstance(block, Elsewhere)]
     for block in held:

@@ -32,7 +32,7 @@ from combinations import (AXES, REGRESSIONS, VARIANT_ROWS, compare, config_for, 
 from shardwise.config import ConfigError
 from shardwise.testing import DistributedTestError, run_distributed
 from shardwise.topology import Cluster
-from shardwise.topology.layout import validate
+from shardwise.config.layout import validate
 
 ROWS = pairwise(AXES)
 FOUND = [dict(zip(AXES, values)) for values in REGRESSIONS]

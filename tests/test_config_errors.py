@@ -15,8 +15,9 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise.cli import main
 from shardwise.config import ConfigError, ShardwiseConfig, load_config, parse_config, unavailable_features
-from shardwise.topology import Cluster, layout_for
-from shardwise.topology.layout import validate
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster
+from shardwise.config.layout import validate
 
 
 def _message(fn, *args) -> str:

@@ -31,7 +31,7 @@ from shardwise.parallel.precision import ScalingRule
 from shardwise.runtime import state
 from shardwise.testing import run_distributed
 from shardwise.topology import Cluster
-from shardwise.topology.layout import validate
+from shardwise.config.layout import validate
 from tiny_models import build, dataset, seed_step
 
 WORLD, STEPS = 2, 4

@@ -34,7 +34,7 @@ from shardwise.config.deepspeed.keys import TOP_LEVEL
 from shardwise.config.deepspeed.zero import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS, ZERO_KEYS
 from shardwise.config.schema import field_names
 from shardwise.topology import Cluster
-from shardwise.topology.layout import validate
+from shardwise.config.layout import validate
 
 CONFIGS = Path(__file__).parent / "data" / "deepspeed_configs"
 # What a config cannot honour is a warning at load (tested in test_deepspeed_config.py); here it is read from the

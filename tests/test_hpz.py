@@ -25,9 +25,10 @@ from shardwise.config import ConfigError, parse_config
 from shardwise.planner import cluster_preset, predict_memory, predict_step_time, spec_from_hf
 from shardwise.planner.wrapping import gathered_bytes
 from shardwise.testing import run_distributed
-from shardwise.topology import Cluster, Layout, layout_for
-from shardwise.topology.decisions import secondary_partition
-from shardwise.topology.layout import validate
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster, Layout
+from shardwise.config.decisions import Decisions
+from shardwise.config.layout import validate
 from tiny_models import SEQ, blocks, build, dataset, loss_fn, relative_error, train_reference, train_seed_loop
 
 WORLD, PER_NODE, ROWS = 4, 2, 2
@@ -50,11 +51,11 @@ def problems(config: dict, cluster: Cluster) -> list[str]:
 def test_secondary_groups_of_the_sharding_group_are_decided_once_for_runtime_and_planner():
     config = parse_config(HPZ)
     layout = layout_for(config, Cluster(2, PER_NODE))
-    assert secondary_partition(config, layout) == PER_NODE
+    assert Decisions(config, layout).secondary_partition == PER_NODE
     # off, or as large as the sharding group: plain ZeRO-3 re-sharding over the whole group
-    assert secondary_partition(parse_config(ZERO3), layout) == 0
+    assert Decisions(parse_config(ZERO3), layout).secondary_partition == 0
     whole = parse_config({**ZERO3, "zero_hpz_partition_size": WORLD})
-    assert secondary_partition(whole, layout_for(whole, Cluster(1, WORLD))) == 0
+    assert Decisions(whole, layout_for(whole, Cluster(1, WORLD))).secondary_partition == 0
 
 
 def test_a_size_of_the_whole_sharding_group_or_more_is_plain_zero3_as_deepspeed_clamps_it():
@@ -62,11 +63,11 @@ def test_a_size_of_the_whole_sharding_group_or_more_is_plain_zero3_as_deepspeed_
     for cluster in (Cluster(1, 4), Cluster(1, 1)):
         assert problems({"zero_stage": 3, "zero_hpz_partition_size": 8}, cluster) == []
         config = parse_config({"zero_stage": 3, "zero_hpz_partition_size": 8})
-        assert secondary_partition(config, layout_for(config, cluster)) == 0
+        assert Decisions(config, layout_for(config, cluster)).secondary_partition == 0
 
 
 def test_check_config_names_the_secondary_groups_and_where_they_lie():
-    from shardwise.topology.describe import describe_layout
+    from shardwise.config.describe import describe_layout
 
     config = parse_config(HPZ)
     cluster = Cluster(2, PER_NODE)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import shardwise as sw
 from shardwise.config import ConfigError, parse_config
 from shardwise.testing import run_distributed
-from shardwise.topology import AXES, Cluster, Layout, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import AXES, Cluster, Layout
 
 
 @pytest.mark.parametrize("config, cluster, degrees", [

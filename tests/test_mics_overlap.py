@@ -24,7 +24,7 @@ import torch.distributed as dist
 from shardwise.torch_internals import TorchDispatchMode
 
 import shardwise as sw
-from shardwise.parallel import cross_group
+from shardwise.parallel.sharding import mics as cross_group
 from shardwise.parallel.zero1.shares import IN_FLIGHT
 from shardwise.testing import run_distributed
 from tiny_models import build, dataset, make_optimizer, relative_error, seed_step, train_reference

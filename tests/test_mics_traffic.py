@@ -19,7 +19,8 @@ from shardwise.torch_internals import TorchDispatchMode
 
 import shardwise as sw
 from shardwise.testing import run_distributed
-from shardwise.topology import Cluster, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster
 from tiny_models import build, dataset, loss_fn, make_optimizer
 
 WORLD, PER_NODE = 4, 2

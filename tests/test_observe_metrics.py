@@ -141,7 +141,7 @@ def test_zero3_gathers_twice_and_reduce_scatters_once_over_the_whole_world(runs)
 def test_mics_splits_sharding_traffic_from_the_replica_all_reduce(runs):
     root, _ = runs
     # ZeRO-3 inside each partition group of 2; its half of the gradients all-reduced across the 2 groups, with
-    # one presence flag per parameter (parallel/cross_group.py)
+    # one presence flag per parameter (parallel/sharding/mics.py)
     assert _comms(root, "mics") == {("all_gather", "shard"): 2 * PARAMETERS * FLOAT,
                                     ("reduce_scatter", "shard"): PARAMETERS * FLOAT,
                                     ("all_reduce", "replicate"): (PARAMETERS // 2 + 3) * FLOAT}

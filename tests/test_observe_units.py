@@ -14,7 +14,7 @@ from shardwise.observe.progress import ProgressDisplay
 from shardwise.observe.sinks import flat
 from shardwise.observe.timing import StepClock
 from shardwise.topology import Cluster
-from shardwise.topology.layout import validate
+from shardwise.config.layout import validate
 
 
 @pytest.mark.parametrize(("collective", "ranks", "factor"), [

@@ -8,7 +8,7 @@ import yaml
 from shardwise.cli import main
 from shardwise.config import parse_config
 from shardwise.planner import cluster_preset
-from shardwise.topology import layout_for
+from shardwise.config.layout import layout_for
 
 SMALL = ["plan", "--model", "gpt2", "--cluster", "2xp4d.24xlarge", "--global-batch", "64", "--seq", "512"]
 

@@ -21,7 +21,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, predict_memory, spec_from_hf
 from shardwise.testing import run_distributed
-from shardwise.topology import Cluster, Layout, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster, Layout
 
 BATCH, WORLD = 4, 4
 STATES = ("parameters", "gradients", "optimizer")

@@ -19,7 +19,8 @@ from shardwise.planner.activations import Numerics, distinct_strategies, edge_ac
 from shardwise.planner.memory import in_flight_microbatches
 from shardwise.planner.wrapping import (comm_buffer_bytes, gathered_bytes, optimizer_share, reduce_buckets,
                                         root_unit_parameters)
-from shardwise.topology import Cluster, Layout, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster, Layout
 
 A = 1_000_000_000  # parameters on a rank
 SPEC = replace(resolve_model("gpt2"), parameters=A)   # one stage holds every parameter

@@ -1,6 +1,6 @@
 """The planner's optimizer-state offload: what goes to host memory, what crosses per step, and when it is proposed.
 
-As parallel/optimizer_offload.py runs it: ZeRO-1 keeps its share's fp32 masters and
+As parallel/sharding/optimizer_offload.py runs it: ZeRO-1 keeps its share's fp32 masters and
 Adam's moments (12 bytes per parameter of the share) on the host; ZeRO-2/3 and MiCS
 keep all model states there (16a/n). On a CPU device nothing moves, so the plan is
 as without the key. tests/test_planner_measured.py checks the CPU runtime against
@@ -16,7 +16,8 @@ from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, plan, predict_memory, predict_step_time, resolve_model
 from shardwise.planner.offload import activation_transfers, state_transfers
 from shardwise.planner.wrapping import optimizer_share
-from shardwise.topology import Cluster, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster
 
 A = 1_000_000_000  # parameters on a rank
 SPEC = replace(resolve_model("gpt2"), parameters=A)

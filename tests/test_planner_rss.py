@@ -16,7 +16,8 @@ import pytest
 from shardwise.config import parse_config
 from shardwise.planner import assumptions as A
 from shardwise.planner import cluster_preset, predict_memory
-from shardwise.topology import Cluster, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from largest_model import Cell  # noqa: E402

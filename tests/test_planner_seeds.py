@@ -13,8 +13,8 @@ from shardwise.config import ConfigError, config_problems, ineffective_settings,
 from shardwise.config import validate as validation
 from shardwise.planner import cluster_preset, evaluate, model_state_bytes, plan, resolve_model
 from shardwise.planner.wrapping import optimizer_share
-from shardwise.topology import layout_for
-from shardwise.topology.layout import validate
+from shardwise.config.layout import layout_for
+from shardwise.config.layout import validate
 
 # Seed 001's table: nodes of p4d.24xlarge, TP, PP, batch per model replica (prescaled), microbatches, active.
 # Every row uses optimizer state sharding, per-layer checkpointing and prescaled_batch; SMP trains GPT-2 in fp16.

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from shardwise.config import parse_config
-from shardwise.parallel.pipeline.graph import memory_weight
 from shardwise.parallel.pipeline.graph_cut import cut_graph
 from shardwise.planner import PlanError, cluster_preset, evaluate, predict_memory, resolve_model
 from shardwise.topology import Layout
@@ -70,7 +69,7 @@ def test_the_planner_pipelines_a_cnn_along_the_runtimes_module_graph_cut():
     spec = resolve_model(CNN, input_shape=IMAGE_SHAPE)
     assert spec.layers == 1 and spec.max_stages >= 4
     model = TinyCNN()
-    cut = cut_graph(model, {"images": torch.zeros(2, *IMAGE_SHAPE)}, 2, memory_weight(parse_config({})))
+    cut = cut_graph(model, {"images": torch.zeros(2, *IMAGE_SHAPE)}, 2, parse_config({}).effective_memory_weight)
     runtime = [sum(p.numel() for unit, s in zip(cut.units, cut.stage_of_unit) if s == stage
                    for p in model.get_submodule(unit).parameters()) for stage in range(2)]
     assert [sum(stage.tensors) for stage in spec.graph_stages(2)] == runtime

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import shardwise as sw
 from shardwise.config import IneffectiveSettingsWarning
-from shardwise.parallel.checkpointing import lift_checkpointing, restore_checkpointing
+from shardwise.parallel.recompute.apply import lift_checkpointing, restore_checkpointing
 from shardwise.parallel.pipeline.stage import Elsewhere
 from shardwise.testing import run_distributed
 from tiny_models import assert_trains_as, blocks, build, train_reference, train_seed_loop
@@ -135,6 +135,6 @@ def test_selective_checkpointing_trains_as_one_plain_process(config):
 def test_the_planner_and_the_runtime_know_the_same_policy_names():
     """config/strategies.POLICIES (read by the planner, which loads no torch) lists what NAMED maps to ops."""
     from shardwise.config.strategies import POLICIES
-    from shardwise.parallel.selective_checkpointing import NAMED
+    from shardwise.parallel.recompute.selective import NAMED
 
     assert sorted(POLICIES) == sorted(NAMED)

@@ -14,7 +14,7 @@ import pytest
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from shardwise.config import ConfigError
-from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.recompute.apply import apply_activation_checkpointing
 from shardwise.parallel.tensor import SequencePlan, TensorParallelPlan, builtin_plan, loss_context
 from shardwise.parallel.tensor.plan import assignments, match
 from shardwise.parallel.tensor.sequence import shard_sequence

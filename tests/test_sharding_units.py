@@ -1,11 +1,11 @@
-"""Which submodules FSDP2 shards as units of their own (parallel/wrap.py)."""
+"""Which submodules FSDP2 shards as units of their own (parallel/sharding/units.py)."""
 
 from __future__ import annotations
 
 from torch import nn
 
 import tiny_models
-from shardwise.parallel.wrap import sharding_units
+from shardwise.parallel.sharding.units import sharding_units
 
 
 def _units(model: nn.Module) -> list[str]:

@@ -21,7 +21,7 @@ from shardwise.config import ConfigError, IneffectiveSettingsWarning, ineffectiv
 from shardwise.config.sources import merge_sources, read_distribution
 from shardwise.launcher import resolve
 from shardwise.topology import Cluster
-from shardwise.topology.layout import validate
+from shardwise.config.layout import validate
 
 HEAD = "these settings have no effect in this layout: "
 FIX = "; fix: remove them, or set what they need"

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import shardwise as sw
 from shardwise.config import IneffectiveSettingsWarning
-from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.recompute.apply import apply_activation_checkpointing
 from shardwise.testing import run_distributed
 from tiny_models import SEED, build, dataset, loss_fn, make_optimizer, relative_error, seed_step, train_reference
 

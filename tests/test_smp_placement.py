@@ -17,7 +17,8 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise.config import ConfigError, parse_config
 from shardwise.testing import run_distributed
-from shardwise.topology import Cluster, Layout, layout_for
+from shardwise.config.layout import layout_for
+from shardwise.topology import Cluster, Layout
 
 TWO_NODES = Cluster(nodes=2, devices_per_node=4)
 ORDERS = ["DPT", "DTP", "PDT", "PTD", "TPD", "TDP"]

@@ -21,7 +21,7 @@ import pytest
 import shardwise
 from shardwise.config import ConfigError
 from shardwise.topology import Cluster
-from shardwise.topology.layout import validate
+from shardwise.config.layout import validate
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 NAMES_FILE = DOCS / "smp_v1" / "documented_names.txt"

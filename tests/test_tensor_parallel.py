@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from shardwise.config import parse_config
-from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.recompute.apply import apply_activation_checkpointing
 from shardwise.parallel.tensor import TensorParallelBatch, apply_tensor_parallel, full_state_dict, loss_context
 from shardwise.runtime.devices import local_device
 from shardwise.testing import run_distributed

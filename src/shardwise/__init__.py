@@ -30,7 +30,7 @@ _EXPORTS = {
     "load": "checkpoint.legacy",
     "ConfigError": "config",
     "ShardwiseConfig": "config",
-    "set_activation_checkpointing": "parallel.checkpointing",
+    "set_activation_checkpointing": "api.recompute",
     "tensor_parallelism": "parallel.tensor.marks",
     "set_tensor_parallelism": "parallel.tensor.marks",
     "tp_register": "parallel.tensor.registration",
@@ -61,7 +61,6 @@ _EXPORTS = {
         "CommGroup", "RankType", "WORLD", "MP_GROUP", "DP_GROUP", "RDP_GROUP", "TP_GROUP", "PP_GROUP", "broadcast",
         "send", "recv_from", "allgather", "barrier", "dp_barrier", "mp_barrier")},
 }
-_RENAMED = {"set_activation_checkpointing": "apply_activation_checkpointing"}
 # SMP v1's submodules, reached as attributes (`smp.nn.FusedLayerNorm`) as well as by import.
 _SUBMODULES = {"nn", "amp", "optimizers", "utils", "patches"}
 
@@ -76,7 +75,7 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
     module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
-    value = getattr(module, _RENAMED.get(name, name))
+    value = getattr(module, name)
     globals()[name] = value
     return value
 

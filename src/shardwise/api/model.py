@@ -31,10 +31,10 @@ from ..parallel.pipeline.stage import Elsewhere
 from ..parallel.strategy import OptimizerUpdate
 from ..nn import huggingface  # noqa: F401  (registers SMP's Hugging Face stand-ins, which replace_registered uses)
 from ..parallel.tensor import PlanLike, replace_registered
-from ..parallel.wrap import known_blocks
+from ..parallel.sharding.units import known_blocks
 from ..runtime.init import warn_ineffective
 from ..runtime.state import current
-from ..topology.decisions import Wrapping, wrapping
+from ..config.decisions import Decisions, Wrapping
 from .param_mapping import OriginalNames
 
 # What SMP's local_state_dict() holds besides tensors; loading skips them.
@@ -171,7 +171,7 @@ class DistributedModel(nn.Module):
         self._cache_position = _use_cache_position(module)
         # The same decision the composition takes, so DDP's own methods are reached without asking the wrapping.
         trains = any(p.requires_grad for p in module.parameters())
-        self._by_ddp = wrapping(runtime.config, runtime.layout, trains) is Wrapping.DDP
+        self._by_ddp = Decisions(runtime.config, runtime.layout).wrapping(trains) is Wrapping.DDP
         warn_ineffective(_ineffective_for(module, runtime.config)
                          + options.notes(self._by_ddp, runtime.config.pipeline_parallel_degree > 1))
         self._strategy = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan,
@@ -181,6 +181,7 @@ class DistributedModel(nn.Module):
         self._partitioned = False
         self._stepped = False
         self._passes = 0  # training @steps since gradients were last synchronised
+        self._microbatch: Optional[tuple[int, int]] = None  # while @step runs one: (index, microbatches)
         self._hook_reduces = False  # a comm hook registered: it averages over microbatches, as SMP has it
         self._partition_hooks: OrderedDict[int, Hook] = OrderedDict()
         self._post_step_hooks: OrderedDict[int, Hook] = OrderedDict()
@@ -233,13 +234,27 @@ class DistributedModel(nn.Module):
         if last:
             self._end_step(training)
 
-    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]],
-                 around: Callable[[int], ContextManager]) -> list[Any]:
-        """Run a @step function's microbatches (each under `around(index)`, unless a pipeline schedules them)."""
+    @contextlib.contextmanager
+    def counting(self, index: int, microbatches: int) -> Iterator[None]:
+        """While microbatch `index` of `microbatches` runs: backward divides the loss by their number."""
+        self._microbatch = (index, microbatches)
+        try:
+            yield
+        finally:
+            self._microbatch = None
+
+    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]], around: Callable[[int], ContextManager],
+                 counted: Callable[[int], ContextManager]) -> list[Any]:
+        """Run a @step function's microbatches (each under `around(index)`, unless a pipeline schedules them,
+        entering only `counted(index)`)."""
         self._begin_step()
-        outputs = self._strategy.run_step(self, fn, pieces, around)
+        training = torch.is_grad_enabled()
+        outputs = self._strategy.run_step(self, fn, pieces, around, counted)
         if self.runs_whole_step:  # its schedule ran the microbatches without microbatch_context
-            self._end_step(torch.is_grad_enabled())
+            if training and self.loss_scaler is not None and not self.holds_loss:
+                # fp16: gradients arrive scaled; the scaler's scale exists only once it has scaled something
+                self.loss_scaler.scale(torch.zeros((), device=self._runtime.device))
+            self._end_step(training)
         return outputs
 
     def _begin_step(self) -> None:
@@ -294,7 +309,7 @@ class DistributedModel(nn.Module):
         return self._scaled(loss)
 
     def _scaled(self, tensor: torch.Tensor) -> torch.Tensor:
-        microbatch = self._runtime.microbatch
+        microbatch = self._microbatch
         if microbatch is not None and self.options.average_grads_across_microbatches and not self._hook_reduces:
             tensor = tensor / microbatch[1]
         if self.loss_scaler is not None:

@@ -26,12 +26,14 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..parallel.activation_offload import first_step_check
+from ..parallel.compose import first_step_check
 from ..parallel.pipeline.runner import NOT_HERE
 from ..observe.recorder import Recorder, recorder_for
 from ..parallel.strategy import Pieces
 from ..runtime.control_flow import ControlFlowCheck, forward_calls
+from ..runtime.init import warn_ineffective
 from ..runtime.state import current
+from .recompute import runtime_offload
 from ..torch_internals import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 
@@ -238,20 +240,24 @@ def _decorate(fn: Callable[..., Any], split: _BatchSplit, detach_outputs: bool) 
         pieces = split(args, kwargs, parts)
 
         @contextlib.contextmanager
+        def counted(index: int) -> Iterator[None]:
+            with contextlib.ExitStack() as stack:
+                for model in models:
+                    stack.enter_context(model.counting(index, parts))
+                yield
+
+        @contextlib.contextmanager
         def around(index: int) -> Iterator[None]:
-            runtime.microbatch = (index, parts)
-            try:
-                with contextlib.ExitStack() as stack:
-                    for model in models:
-                        stack.enter_context(model.microbatch_context(last=index == parts - 1))
-                    yield
-            finally:
-                runtime.microbatch = None
+            with counted(index), contextlib.ExitStack() as stack:
+                for model in models:
+                    stack.enter_context(model.microbatch_context(last=index == parts - 1))
+                yield
 
         forwards = forward_calls(models)
         recorder = recorder_for(runtime)
-        with first_step_check(runtime), recorder.step_call(runtime, models, args, kwargs):
-            results = models[0].run_step(per_microbatch, pieces, around)
+        offload_check = first_step_check(runtime_offload(runtime), warn_ineffective)
+        with offload_check, recorder.step_call(runtime, models, args, kwargs):
+            results = models[0].run_step(per_microbatch, pieces, around, counted)
         flow.after_call(runtime.config.control_flow_check_interval, runtime.device, len(pieces),
                         forward_calls(models) - forwards, sum(optimizer.steps for optimizer in runtime.optimizers))
         return _step_outputs(results, models[0].holds_loss, recorder)

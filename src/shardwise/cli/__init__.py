@@ -8,7 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..checkpoint import CheckpointError
-from ..config.errors import ConfigError
+from ..errors import ConfigError
 
 # Subcommand modules, in the order `--help` lists them.
 COMMANDS = ["check_config", "run", "demo", "plan", "export", "report"]

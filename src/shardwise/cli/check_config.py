@@ -10,8 +10,8 @@ from ..config import IneffectiveSettingsWarning, ineffective_notice, load_dict
 from ..config import deepspeed
 from ..config.sources import read_file
 from ..topology import Cluster
-from ..topology.describe import describe_layout
-from ..topology.layout import validate
+from ..config.describe import describe_layout
+from ..config.layout import validate
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from ..planner import (CHECKPOINTING, CLUSTER_PRESETS, MODEL_PRESETS, Plan, Plan
                        evaluate, plan, print_plan, resolve_model, to_json, write_config)
 from ..planner.hardware import GB, GiB
 from ..planner.report import checkpointing_call, config_format
-from ..topology.layout import validate
+from ..config.layout import validate
 from .flags import fraction, positive
 
 # Cluster flags: (flag, ClusterSpec/override field, unit multiplier, type, help, required without --cluster).

@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .errors import Problem, did_you_mean
+from ..errors import Problem, did_you_mean
 
 
 @dataclass(frozen=True)

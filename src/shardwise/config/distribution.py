@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from .errors import ConfigError, Problem
+from ..errors import ConfigError, Problem
 
 _TORCHRUN = "shardwise run (or torchrun) starts the processes, not MPI"
 _TRUE = (True, 1, "true", "True")  # SageMaker's notebooks write the flags these ways

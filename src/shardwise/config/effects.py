@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
+from .decisions import cross_group_possible
 from .schema import ShardwiseConfig
 from .smp_only import INSTEAD, OFFLOAD_PACING, SHARDING_INSTEAD
 
@@ -68,9 +69,8 @@ def _others(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
         yield "offload_optimizer_state", "needs shard_optimizer_state or zero_stage 1, 2 or 3"
     if c.effective_zero_stage < 2 and changed(c, "auto_wrap_min_params"):
         yield "auto_wrap_min_params", "sizes ZeRO-2/3 sharding units; needs zero_stage 2 or 3"
-    no_mics = c.sharded_data_parallel_degree == 1 or c.pipeline_parallel_degree > 1
     for key in ("cross_group_reduce_dtype", "cross_group_overlap"):
-        if changed(c, key) and no_mics:
+        if changed(c, key) and not cross_group_possible(c):
             yield key, ("needs MiCS without a pipeline: sharded_data_parallel_degree > 1 and smaller "
                         "than the data-parallel degree, pipeline_parallel_degree 1")
     if c.fp16 and changed(c, "non_finite_gradients"):
@@ -116,6 +116,20 @@ def _smp(c: ShardwiseConfig) -> Iterator[tuple[str, str]]:
             yield _key(name), "needs sharded_data_parallel_degree > 1" if needs_sharding else instead
     yield from ((_key(name), instead if c.offload_activations else "needs offload_activations")
                 for name, instead in OFFLOAD_PACING.items() if changed(c, name))
+
+
+def ineffective_on_device(config: ShardwiseConfig, device_type: str) -> list[tuple[str, str]]:
+    """Settings that change nothing on this device: offloading to host memory from a CPU, whose memory it is."""
+    if device_type != "cpu":
+        return []
+    found = []
+    if config.offload_optimizer_state and config.effective_zero_stage >= 1:
+        found.append(("offload_optimizer_state", "the device is the CPU, whose memory is the host memory: "
+                                                 "optimizer states stay where they are"))
+    if config.offload_activations:
+        found.append(("offload_activations", "the device is the CPU, whose memory is the host memory: "
+                                             "checkpointed activations stay where they are"))
+    return found
 
 
 def ineffective_settings(config: ShardwiseConfig) -> list[tuple[str, str]]:

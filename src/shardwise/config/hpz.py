@@ -3,14 +3,14 @@
 hpZ runs on FSDP2's `fully_shard(..., reshard_after_forward=<int>)`; these rules
 mirror what FSDP2 and shardwise's composition accept, so a config that would fail
 inside torch at the first forward fails here. The rules that need the layout (the
-size divides the sharding group and the ranks per node) are in `topology/layout.py`.
+size divides the sharding group and the ranks per node) are in `config/layout.py`.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from .errors import Problem
+from ..errors import Problem
 from .schema import ShardwiseConfig
 
 KEY = "zero_hpz_partition_size"

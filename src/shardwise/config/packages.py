@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .errors import Problem
+from ..errors import Problem
 from .schema import ShardwiseConfig
 
 # The package each metrics sink needs (csv needs none), and the DeepSpeed section that turns the sink on.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .errors import Problem
+from ..errors import Problem
 from .schema import SINGLE_STAGE_SCHEDULES as SINGLE_STAGE
 from .schema import ShardwiseConfig
 

@@ -212,6 +212,13 @@ class ShardwiseConfig(SmpOnlySettings):
         return 3 if self.sharded_data_parallel_degree > 1 else 0
 
     @property
+    def effective_memory_weight(self) -> float:
+        """The module-graph pipeline cut's weight of memory against compute: given, or SMP's by `optimize`."""
+        if self.memory_weight is not None:
+            return self.memory_weight
+        return 0.8 if self.optimize == "memory" else 0.2
+
+    @property
     def stages_per_rank(self) -> int:
         """`virtual_stages`, or its default for the schedule."""
         if self.virtual_stages is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from types import NoneType, UnionType
 from typing import Any, Mapping, Optional, Union, get_args, get_origin
 
-from .errors import Problem
+from ..errors import Problem
 from .schema import ShardwiseConfig
 
 _SCHEDULES = {"simple": "gpipe", "interleaved": "1f1b"}  # SMP's pipeline → the torch schedule of the same order

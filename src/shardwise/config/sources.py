@@ -20,7 +20,7 @@ import yaml
 from . import deepspeed
 from .distribution import Distribution, is_distribution, parse_distribution
 from .effects import IneffectiveSettingsWarning, notice_of
-from .errors import ConfigError, Problem
+from ..errors import ConfigError, Problem
 from .smp_forms import smp_value
 from .smp_only import SmpOnlySettings
 

@@ -25,7 +25,7 @@ def checkpointing_group_size(strategy: str) -> Optional[int]:
     return int(found.group(1))
 
 
-POLICIES = ("matmul",)  # parallel/selective_checkpointing.py's named policies
+POLICIES = ("matmul",)  # parallel/recompute/selective.py's named policies
 
 
 def split_policy(name: str) -> tuple[str, Optional[str]]:

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 from pydantic import ValidationError
 
 from .blocks import block_problems
-from .errors import ConfigError, Problem, did_you_mean
+from ..errors import ConfigError, Problem, did_you_mean
 from .hpz import hpz_problems
 from .pipeline import pipeline_problems
 from .schema import ShardwiseConfig, field_names, unavailable_features

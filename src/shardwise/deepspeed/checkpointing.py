@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from ..parallel.checkpointing import checkpointed
+from ..api.recompute import checkpointed_call
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset"]
 
@@ -21,7 +21,7 @@ def checkpoint(function: Callable, *args: Any) -> Any:
     """DeepSpeed's `checkpoint(function, *args)` over shardwise's activation checkpoint: `function(*args)` as one
     region recomputed in backward (torch's non-reentrant checkpoint, the random state replayed, the kept inputs
     offloaded when the config says so). Also the default `activation_checkpoint_func` of a PipelineModule."""
-    return checkpointed(function, *args)
+    return checkpointed_call(function, *args)
 
 
 def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,

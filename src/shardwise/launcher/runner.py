@@ -14,8 +14,8 @@ import time
 from typing import Any, Iterator, Mapping, Optional, TextIO
 
 from ..config.sources import CONFIG_ENV
-from ..topology.layout import validate
-from ..topology.describe import describe_layout
+from ..config.layout import validate
+from ..config.describe import describe_layout
 from .failure import format_failure, preemption_line, rank_failures
 from .leftovers import LAUNCH_ID_ENV, new_launch_id, start_reaper, stop_leftovers
 from .rundir import PREEMPTED_EXIT_CODE, RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir

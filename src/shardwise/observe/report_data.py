@@ -16,10 +16,10 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any, Optional
 
-from ..config.errors import ConfigError
+from ..errors import ConfigError
 from ..topology import Cluster
-from ..topology.describe import describe_layout
-from ..topology.layout import validate
+from ..config.describe import describe_layout
+from ..config.layout import validate
 
 RECORD_HINT = ("record them with the config key metrics_interval at 1 or more (the default) under shardwise run, "
                "which writes them to <run dir>/metrics")

@@ -1,4 +1,4 @@
-"""The one place that fixes the order techniques are applied in, and the only one here that reads the config.
+"""The one place that fixes the order techniques are applied in, and the only one under `parallel/` that reads the config.
 
 Order: the model goes to this rank's device (a model built on the meta device
 is materialised there, see materialize.py) → every rank starts from the first
@@ -12,8 +12,8 @@ whole model. A meta-built model under ZeRO-2/3 or MiCS without tensor parallelis
 skips the placing: each sharding unit is materialised right before FSDP2 shards
 it. Activation checkpointing is applied afterwards by the user's
 `set_activation_checkpointing` calls, which works on a split and sharded model
-(see checkpointing.py). What each part gets is decided in topology/decisions.py,
-which the planner reads too.
+(see recompute/). What each part gets is decided by `topology.decisions.Decisions`,
+which the planner reads too; everything called from here gets plain values.
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Optional
 
+import torch
 from torch import nn
 
 from ..config.schema import ShardwiseConfig
 from ..runtime.mesh import ParallelMesh
-from ..topology.decisions import (PrecisionMode, precision_mode, secondary_partition, shards_optimizer_state,
-                                  wrapping)
+from ..config.decisions import Decisions, PrecisionMode
 from . import precision
 from .materialize import has_meta, mesh_device, place, unit_materialiser
-from .pipeline import GraphPipeline, apply_pipeline, has_block_list
-from .sharding import apply_data_parallel
+from .pipeline import GraphPipeline, PipelineSettings, apply_pipeline, has_block_list
+from .recompute import apply_activation_checkpointing, checkpoint_in_groups, checkpointed, group_size
+from .recompute.offload import OffloadSchedule, first_step_check, schedule_for_device
+from .sharding import HostOffload, apply_data_parallel
 from .strategy import Strategy
 from .tensor import PlanLike, TensorParallelBatch, apply_tensor_parallel
 from .zero1.update import apply_zero1
@@ -40,28 +42,51 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
                 ddp_options: Optional[Mapping[str, Any]] = None) -> Strategy:
     """`tp_plan`: the user's tensor-parallel plan, for models without a built-in one; `ddp_options`: what
     torch's DistributedDataParallel takes, where the composition chooses it (SMP's DistributedModel arguments)."""
-    wrap = functools.partial(wrap_part, ddp_options=ddp_options)
-    if config.pipeline_parallel_degree > 1 and (config.pipeline_cut == "graph" or (
-            config.pipeline_cut == "auto" and not has_block_list(module))):
-        zero1 = functools.partial(_zero1, mesh, config, config.microbatches) if shards_optimizer_state(
-            config, mesh.layout) else None
-        # cut from the module graph at the first @step
-        return GraphPipeline(module, mesh, config, wrap, zero1, tp_plan=tp_plan)
-    if config.pipeline_parallel_degree > 1:  # cuts the model into stages, then the same steps per stage
-        pipeline = apply_pipeline(module, mesh, config, tp_plan, split_part, wrap)
-        if shards_optimizer_state(config, mesh.layout):
-            pipeline.binding = _zero1(mesh, config, passes=config.microbatches, deferred=pipeline.ties.held())
-        return pipeline
-    if has_meta(module) and config.effective_zero_stage >= 2 and config.tensor_parallel_degree == 1:
+    decisions = Decisions(config, mesh.layout)
+    wrap = functools.partial(wrap_part, mesh=mesh, decisions=decisions, ddp_options=ddp_options)
+    split = functools.partial(split_part, mesh=mesh, config=config)
+    # ZeRO-1 under a pipeline: steps once the schedule's microbatches are all back, tied copies summed first
+    zero1 = functools.partial(_zero1, mesh, decisions, config.microbatches) if (
+        decisions.pipelining and decisions.shards_optimizer_state) else None
+    if decisions.graph_cut(has_block_list(module)):  # cut from the module graph at the first @step
+        return GraphPipeline(module, mesh, pipeline_settings(decisions), wrap, zero1, tp_plan=tp_plan)
+    if decisions.pipelining:  # cuts the model into stages, then the same steps per stage
+        return apply_pipeline(module, mesh, pipeline_settings(decisions), tp_plan, split, wrap, zero1)
+    if decisions.materialises_per_unit(has_meta(module)):
         # delayed initialisation under ZeRO-2/3 and MiCS: each unit is materialised just before it is sharded
-        return wrap(module, mesh, config, before_shard=unit_materialiser(module, mesh))
+        return wrap(module, before_shard=unit_materialiser(module, mesh))
     place(module, mesh)
-    split_part(module, [module], mesh, config, tp_plan)
-    return wrap(module, mesh, config)
+    split(module, [module], tp_plan)
+    return wrap(module)
 
 
-def split_part(module: nn.Module, callees: list[nn.Module], mesh: ParallelMesh, config: ShardwiseConfig,
-               tp_plan: PlanLike) -> None:
+# What the API layer and the front ends use from `parallel/` besides `strategy`: this module is its one door.
+__all__ = ["OffloadSchedule", "activation_offload", "apply_activation_checkpointing", "checkpoint_in_groups",
+           "checkpointed", "first_step_check", "group_size", "parallelize"]
+
+
+def activation_offload(config: ShardwiseConfig, device: torch.device) -> Optional[OffloadSchedule]:
+    """Where checkpointed regions keep their inputs: host memory with offload_activations (on a CPU device, where
+    they are), else None."""
+    if not config.offload_activations:
+        return None
+    return schedule_for_device(device, config.activation_loading_horizon)
+
+
+def pipeline_settings(decisions: Decisions) -> PipelineSettings:
+    config = decisions.config
+    dtype = precision.compute_dtype(config)
+    stored = decisions.precision_mode() in (PrecisionMode.CAST, PrecisionMode.STORED)
+    return PipelineSettings(
+        stages_per_rank=config.stages_per_rank, balance=config.pipeline_balance,
+        split_points=config.pipeline_split_points, auto_partition=config.auto_partition,
+        default_partition=config.default_partition, schedule=config.pipeline_schedule, round=config.pipeline_round,
+        tensor_parallel_degree=config.tensor_parallel_degree, prescaled_batch=config.prescaled_batch,
+        memory_weight=config.effective_memory_weight, compute_dtype=dtype, stage_dtype=dtype if stored else None)
+
+
+def split_part(module: nn.Module, callees: list[nn.Module], tp_plan: PlanLike, *, mesh: ParallelMesh,
+               config: ShardwiseConfig) -> None:
     """Tensor parallelism over `module` (placed, equal on every rank); each of `callees`, the modules the
     step calls, gathers or splits the batch inside the tensor-parallel group."""
     if config.tensor_parallel_degree > 1:
@@ -70,33 +95,38 @@ def split_part(module: nn.Module, callees: list[nn.Module], mesh: ParallelMesh, 
             TensorParallelBatch(mesh["tp"], config.prescaled_batch).install(callee)
 
 
-def wrap_part(part: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, reshard_after_forward: bool = True,
+def wrap_part(part: nn.Module, *, mesh: ParallelMesh, decisions: Decisions, reshard_after_forward: bool = True,
               before_shard: Optional[Callable[[nn.Module], None]] = None,
               ddp_options: Optional[Mapping[str, Any]] = None) -> Strategy:
     """Mixed precision, data parallelism and ZeRO-1 for one part: the whole model, or a pipeline stage.
     `reshard_after_forward=False` keeps ZeRO-3's gathered parameters until backward (split-backward schedules);
     else ZeRO-3 re-shards them after forward, under ZeRO++ hpZ only down to its secondary group."""
+    config = decisions.config
     trains = any(p.requires_grad for p in part.parameters())
-    how, mode = wrapping(config, mesh.layout, trains), precision_mode(config, mesh.layout, trains)
+    how, mode = decisions.wrapping(trains), decisions.precision_mode(trains)
     dtype = precision.compute_dtype(config)
     if mode is PrecisionMode.STORED:
         precision.store_in_compute_dtype(part, dtype)
-    # ZeRO-3 re-shards after forward: over the whole sharding group, or under hpZ over a secondary group (an int)
-    after_forward: bool | int = config.effective_zero_stage == 3 and reshard_after_forward
-    if after_forward and secondary_partition(config, mesh.layout):
-        after_forward = secondary_partition(config, mesh.layout)
+    autocast = None
+    if mode is PrecisionMode.AUTOCAST:
+        autocast = functools.partial(precision.autocast, dtype, mesh_device(mesh))
+    plain_zero1 = decisions.shards_optimizer_state and not decisions.pipelining  # a pipeline binds its own
     strategy = apply_data_parallel(part, mesh, how, dtype if mode is PrecisionMode.CAST else None,
                                    auto_wrap_min_params=config.auto_wrap_min_params, before_shard=before_shard,
-                                   reshard_after_forward=after_forward, ddp_options=ddp_options)
-    if mode is PrecisionMode.AUTOCAST:
-        device = mesh_device(mesh)
-        strategy.autocast = lambda: precision.autocast(dtype, device)
-    if shards_optimizer_state(config, mesh.layout):  # ZeRO-1: never with sharding
-        strategy.binding = _zero1(mesh, config)
+                                   reshard_after_forward=decisions.reshard_after_forward(not reshard_after_forward),
+                                   cross_group=decisions.cross_group, hybrid=decisions.hybrid_sharding,
+                                   offload=_host_offload(mesh, decisions), autocast=autocast,
+                                   whole_steps_only=config.non_finite_gradients != "off", ddp_options=ddp_options,
+                                   binding=_zero1(mesh, decisions) if plain_zero1 else None)
     return strategy
 
 
-def _zero1(mesh: ParallelMesh, config: ShardwiseConfig, passes: Optional[int] = None,
+def _host_offload(mesh: ParallelMesh, decisions: Decisions) -> Optional[HostOffload]:
+    return HostOffload.for_device(mesh_device(mesh)) if decisions.offload_optimizer_state else None
+
+
+def _zero1(mesh: ParallelMesh, decisions: Decisions, passes: Optional[int] = None,
            deferred: frozenset[int] = frozenset()):
-    return apply_zero1(mesh["rdp"].get_group(), masters=config.sharded_master_weights,
-                       tp_rank=mesh["tp"].get_local_rank(), passes=passes, deferred=deferred)
+    return apply_zero1(mesh["rdp"].get_group(), masters=decisions.config.sharded_master_weights,
+                       tp_rank=mesh["tp"].get_local_rank(), passes=passes, deferred=deferred,
+                       offload=_host_offload(mesh, decisions))

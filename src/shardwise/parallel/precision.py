@@ -1,6 +1,6 @@
 """Mixed precision: low-precision compute, fp32 master weights and fp32 gradient reduction.
 
-Which mode a model gets is decided once, in `topology/decisions.py`
+Which mode a model gets is decided once, in `config/decisions.py`
 (`precision_mode`): FSDP2's per-module casting for sharded and `replicate`d models
 (the bf16/fp16 copies are what gets gathered, halving traffic); autocast around
 forward for DDP and a lone replica, which keep fp32 parameters; ZeRO-1's replicas

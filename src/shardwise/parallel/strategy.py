@@ -94,11 +94,12 @@ class Strategy:
     # A strategy that runs the whole @step itself (a pipeline schedule) takes no other model in the step.
     runs_whole_step = False
 
-    def __init__(self, module: nn.Module, inner: nn.Module):
+    def __init__(self, module: nn.Module, inner: nn.Module, *, autocast: Optional[Callable[[], ContextManager]] = None,
+                 binding: Optional[OptimizerBinding] = None):
         self.module = module
         self.inner = inner
-        self.autocast: Optional[Callable[[], ContextManager]] = None
-        self.binding: OptimizerBinding = OptimizerUpdate
+        self.autocast = autocast
+        self.binding: OptimizerBinding = binding or OptimizerUpdate
         self.holds_loss = True
         self._updates: list[OptimizerUpdate] = []
 
@@ -112,9 +113,11 @@ class Strategy:
         """Around one microbatch's forward, loss and backward; gradients are synchronised on the `last`."""
         return loss_context(self.inner)  # vocabulary-parallel logits need forward, loss and backward under it
 
-    def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces,
-                 around: Callable[[int], ContextManager]) -> list[Any]:
-        """Run `fn` once per microbatch of a @step call on `model`, each under `around(index)`; the results."""
+    def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces, around: Callable[[int], ContextManager],
+                 counted: Callable[[int], ContextManager]) -> list[Any]:
+        """Run `fn` once per microbatch of a @step call on `model`, each under `around(index)`; the results.
+        `around` includes `counted(index)`, which alone says which microbatch of how many runs (what backward
+        divides by): a schedule that runs the microbatches itself enters only that."""
         outputs = []
         for index, (args, kwargs) in enumerate(pieces):
             with around(index):

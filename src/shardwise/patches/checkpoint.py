@@ -18,7 +18,8 @@ from typing import Any
 
 from torch import nn
 
-from ..parallel.checkpointing import checkpoint_in_groups, checkpointed, group_size
+from ..api.recompute import checkpointed_call, current_offload
+from ..parallel.compose import checkpoint_in_groups, group_size
 
 STRATEGIES = ('"each"', '"contiguous"', '"group_<n>"')
 
@@ -28,7 +29,7 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint expects an nn.Module, got {type(module).__name__}; SMP checkpoints modules, "
                         "not functions: wrap the code in a module")
-    return checkpointed(module, *args, preserve_rng_state=preserve_rng_state)  # offloaded with offload_activations
+    return checkpointed_call(module, *args, preserve_rng_state=preserve_rng_state)  # offloaded with offload_activations
 
 
 def checkpoint_sequential(sequential_module: nn.Sequential, input: Any, strategy: str = "each",
@@ -43,4 +44,4 @@ def checkpoint_sequential(sequential_module: nn.Sequential, input: Any, strategy
     except ValueError:
         raise ValueError(f"checkpoint_sequential: strategy={strategy!r} is not one of {', '.join(STRATEGIES)}; "
                          "fix: e.g. strategy=\"group_2\"") from None
-    return checkpoint_in_groups(list(sequential_module), input, size, preserve_rng_state)
+    return checkpoint_in_groups(list(sequential_module), input, size, preserve_rng_state, offload=current_offload())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..config.errors import did_you_mean
+from ..errors import did_you_mean
 
 
 class PlanError(ValueError):

@@ -1,6 +1,6 @@
 """What offloading keeps in host memory and moves per step, as the runtime does.
 
-`offload_optimizer_state` (parallel/optimizer_offload.py): ZeRO-1 keeps the fp32
+`offload_optimizer_state` (parallel/sharding/optimizer_offload.py): ZeRO-1 keeps the fp32
 masters and the optimizer's moments of each rank's share on the host; once per
 step the share's fp32 gradients cross to the host and its updated parameters
 (stored dtype) back. ZeRO-2/3 and MiCS run FSDP2's `CPUOffloadPolicy`: parameter
@@ -9,7 +9,7 @@ unit's fp32 shards to the device (each microbatch's forward; ZeRO-3's backward
 again, the root's included, as shardwise reshards every unit after forward) and
 every microbatch's reduce-scatter its fp32 gradient shards back.
 
-`offload_activations` (parallel/activation_offload.py): each checkpointed region's
+`offload_activations` (parallel/recompute/offload.py): each checkpointed region's
 kept input goes to the host in forward and back in backward.
 
 A device whose memory is the host's (a CPU) moves nothing: the runtime keeps

@@ -20,7 +20,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional, Union
 
 from ..config import ConfigError, Problem, ShardwiseConfig
 from ..topology import Layout
-from ..topology.layout import validate
+from ..config.layout import validate
 from .activations import distinct_strategies
 from .errors import PlanError
 from .hardware import GiB, ClusterSpec

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from ..config.schema import ShardwiseConfig
-from ..parallel.pipeline.graph import memory_weight
 from ..parallel.pipeline.graph_cut import Call, captured, cut_units, split_units, trace_calls
 from ..parallel.pipeline.partition import Blocks, find_blocks, has_block_list
 from .errors import PlanError
@@ -73,7 +72,7 @@ def _stage_costs(root: Call, stages: int, tokens: int) -> Optional[tuple[StageCo
     units = cut_units(root, stages)
     if len(units) < stages:
         return None
-    _, stage_of = split_units(units, stages, memory_weight(ShardwiseConfig()))
+    _, stage_of = split_units(units, stages, ShardwiseConfig().effective_memory_weight)
     runs = [[u for u, s in zip(units, stage_of) if s == stage] for stage in range(stages)]
     return tuple(StageCost(tuple(t for u in run for t in u.tensors), sum(u.flops for u in run) / tokens,
                            sum(u.saved_bytes for u in run) / tokens, run[-1].output_bytes / _FP32 / tokens)

@@ -3,7 +3,7 @@
 Measured with MemTracker on the runtime itself (tests/test_planner_measured.py):
 
 Which wrapping and which precision mode a config gets on a layout is the runtime's
-own decision, read from `topology/decisions.py`:
+own decision, read from `config/decisions.py`:
 
 - ZeRO-0, and ZeRO-1 in fp32, run under torch DDP. Mixed precision is autocast
   there: parameters, gradients and DDP's gradient buckets stay fp32, the residual
@@ -46,7 +46,7 @@ from typing import NamedTuple
 from ..config.schema import ShardwiseConfig
 from ..parallel.zero1.shares import BUCKET_BYTES, IN_FLIGHT, assign_owners, consecutive_buckets, fill_buckets
 from ..topology import Layout
-from ..topology.decisions import PrecisionMode, Wrapping, precision_mode, secondary_partition, wrapping
+from ..config.decisions import Decisions, PrecisionMode, Wrapping
 from . import assumptions as A
 from .activations import Numerics
 from .spec import ModelSpec
@@ -63,8 +63,9 @@ def compute_bytes(config: ShardwiseConfig) -> int:
 
 def cross_group_bytes(config: ShardwiseConfig, layout: Layout) -> int:
     """Bytes per element of MiCS's gradient all-reduce across partition groups: `cross_group_reduce_dtype`'s
-    where shardwise runs it (parallel/cross_group.py), fp32 under a pipeline, where FSDP2's hybrid sharding does."""
-    return _LOW_BYTES[config.cross_group_reduce_dtype] if layout.pp == 1 else REDUCE_BYTES
+    where shardwise runs it (parallel/sharding/mics.py), fp32 under a pipeline, where FSDP2's hybrid sharding does."""
+    cross_group = Decisions(config, layout).cross_group
+    return _LOW_BYTES[cross_group.dtype] if cross_group is not None else REDUCE_BYTES
 
 
 def stored_bytes(config: ShardwiseConfig) -> int:
@@ -84,12 +85,12 @@ def fully_sharded(config: ShardwiseConfig) -> bool:
 
 def replicated_by_fsdp(config: ShardwiseConfig, layout: Layout) -> bool:
     """FSDP2's `replicate` (ZeRO-0 and fp32 ZeRO-1 with tensor or pipeline parallelism and several replicas)."""
-    return wrapping(config, layout) is Wrapping.REPLICATE
+    return Decisions(config, layout).wrapping() is Wrapping.REPLICATE
 
 
 def autocast(config: ShardwiseConfig, layout: Layout) -> bool:
     """Mixed precision by autocast (DDP, one replica); FSDP2 and ZeRO-1's half-precision replicas cast."""
-    return precision_mode(config, layout) is PrecisionMode.AUTOCAST
+    return Decisions(config, layout).precision_mode() is PrecisionMode.AUTOCAST
 
 
 def numerics(config: ShardwiseConfig, layout: Layout) -> Numerics:
@@ -199,14 +200,14 @@ def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> 
     in_flight = min(2, spec.stage_layers(layout.pp)) * spec.layer_parameters / layout.tp
     # ZeRO++ hpZ: every block keeps its secondary shard from its forward to its backward; when forward ends, the
     # root (still gathered for the loss) sees them all (measured: bench/sharding.py, docs/sharding.md)
-    secondary = secondary_partition(config, layout)
+    secondary = Decisions(config, layout).secondary_partition
     kept = blocks / secondary if secondary else 0.0
     return low * (rank_params - blocks + in_flight + kept)
 
 
 def root_unit_parameters(spec: ModelSpec, layout: Layout) -> float:
     """Parameters of the busiest stage that FSDP2's root unit holds: those in no block and in no unit of their own
-    (parallel/wrap.py: an embedding or head tensor of half a block or more, unless tied). The root reduces its
+    (parallel/sharding/units.py: an embedding or head tensor of half a block or more, unless tied). The root reduces its
     gradients when backward ends, so a tied head's gradient, computed first, is alive through the whole backward.
     A module-graph cut's units are not modelled (0)."""
     if spec.graph_stages(layout.pp):

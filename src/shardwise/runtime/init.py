@@ -11,11 +11,12 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from ..config import IneffectiveSettingsWarning, Problem, ShardwiseConfig, ineffective_settings, load_dict, merge_sources
+from ..config.effects import ineffective_on_device
 from ..config.effects import notice_of
 from ..config.sources import CONFIG_ENV
 from ..topology import Cluster
-from ..topology.decisions import secondary_partition
-from ..topology.layout import validate
+from ..config.decisions import Decisions
+from ..config.layout import validate
 from . import hang_report, state
 from .agreement import check_same_config
 from .devices import backend_for, local_device
@@ -128,8 +129,8 @@ def init(config: ConfigLike = None) -> ShardwiseConfig:
     device = local_device(local_rank)
     owns = _start_process_group(device)
     check_same_config(resolved, device)
-    warn_ineffective(ineffective_settings(resolved))
-    mesh = ParallelMesh(device, layout, secondary_partition(resolved, layout))
+    warn_ineffective(ineffective_settings(resolved) + ineffective_on_device(resolved, device.type))
+    mesh = ParallelMesh(device, layout, Decisions(resolved, layout).secondary_partition)
     hang_report.apply_timeout(resolved.collective_timeout_seconds)
     hang_report.start(dist.get_rank(), resolved.collective_timeout_seconds)
     state.set_current(state.Runtime(config=resolved, cluster=cluster, layout=layout, mesh=mesh, device=device,

@@ -16,7 +16,7 @@ from ..torch_internals import clear_dtensor_caches, flatten_mesh, unflatten_mesh
 
 class ParallelMesh:
     def __init__(self, device: torch.device, layout: Layout, secondary: int = 0):
-        """`secondary`: ZeRO++ hpZ's group size (topology/decisions.py's `secondary_partition`), 0 for none."""
+        """`secondary`: ZeRO++ hpZ's group size (config/decisions.py's `secondary_partition`), 0 for none."""
         self.layout, self.secondary = layout, secondary
         # The rank map is bookkeeping, on the CPU whatever the default device (as init_device_mesh keeps it).
         ranks = torch.tensor(layout.mesh_ranks(), dtype=torch.int, device="cpu")

@@ -30,8 +30,9 @@ class Runtime:
     # Every live DistributedModel, so that shutdown waits for their parameter updates in flight and an
     # optimizer finds the model that owns its parameters. Calls never pick a model from here.
     models: WeakSet = field(default_factory=WeakSet)
-    # Set while @step runs a batch: (microbatch index, number of microbatches).
-    microbatch: Optional[tuple[int, int]] = field(default=None)
+    # Where checkpointed regions keep their inputs with offload_activations (parallel/recompute/offload.py), made
+    # with the first DistributedModel; None without offloading.
+    activation_offload: Optional[object] = field(default=None)
     # Every `sw.data_loader` in creation order (weak references), so checkpoints save their positions, and the
     # positions the last `resume_from_checkpoint` read, for the loaders created after it (same order).
     loaders: list = field(default_factory=list)

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
-from ..config.errors import ConfigError, Problem
+from ..errors import ConfigError, Problem
 
 
 @dataclass(frozen=True)

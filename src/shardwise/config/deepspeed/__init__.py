@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..distribution import Distribution
-from ..errors import ConfigError
+from ...errors import ConfigError
 from ..schema import field_names
 from .auto import auto_keys, auto_problem, without_auto
 from .keys import ALWAYS, CHOICES, DIFFERENTLY, NOT_HONOURED, REFUSED_VALUES, REMOVED, TOP_LEVEL

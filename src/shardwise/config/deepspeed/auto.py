@@ -22,7 +22,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from ..errors import Problem
+from ...errors import Problem
 
 AUTO = "auto"
 # Where "auto" is a value of DeepSpeed's own, not the Trainer's placeholder: ZenFlow's selection and update

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from ..errors import Problem, did_you_mean
+from ...errors import Problem, did_you_mean
 
 _TRUE_TEXT = ("true", "1", "yes", "on")  # what DeepSpeed's pydantic reads as true in a string
 

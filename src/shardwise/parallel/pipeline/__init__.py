@@ -1,6 +1,6 @@
 """Pipeline parallelism: the model's blocks cut into stages over the `pp` mesh axis.
 
-    runner = apply_pipeline(model, mesh, config)   # model reduced in place to this rank's stages
+    runner = apply_pipeline(model, mesh, settings, ...)   # model reduced in place to this rank's stages
     results = runner.run_step(distributed_model, step_fn, microbatches)   # what @step does
 
 Stages are built from the user's own module (its forward runs unchanged), the
@@ -13,6 +13,7 @@ from .graph import GraphPipeline
 from .partition import Partition, find_blocks, has_block_list, partition
 from .runner import PipelineParallel
 from .schedule import SCHEDULES, stage_ranks
+from .settings import PipelineSettings
 
-__all__ = ["SCHEDULES", "GraphPipeline", "Partition", "PipelineParallel", "apply_pipeline", "find_blocks",
+__all__ = ["SCHEDULES", "GraphPipeline", "Partition", "PipelineParallel", "PipelineSettings", "apply_pipeline", "find_blocks",
            "has_block_list", "partition", "stage_ranks"]

@@ -11,20 +11,20 @@ parallel / sharding) → `PipelineStage`s and the schedule.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.distributed as dist
 from torch import nn
 
-from ...config.schema import ShardwiseConfig
 from ...runtime.mesh import ParallelMesh
-from .. import precision
 from ..materialize import place
+from ..strategy import OptimizerBinding
 from ..tensor import PlanLike, TensorParallelPlan, plan_for
 from ..tensor.plan import match
 from .partition import partition
 from .runner import PipelineParallel
 from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
+from .settings import PipelineSettings
 from .stage import Elsewhere, StageModule, prune, stage_view
 from .ties import TiedWeights, tied_groups
 
@@ -41,16 +41,19 @@ def stage_plan(model: nn.Module, plan: PlanLike, tp: int) -> TensorParallelPlan:
     return dataclasses.replace(plan, styles=held(plan.styles), local_attrs=held(plan.local_attrs))
 
 
-def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, tp_plan: PlanLike,
-                   split_part: Callable, wrap_part: Callable) -> PipelineParallel:
-    """Reduce `model` in place to this rank's pipeline stages and return what runs them. `split_part` and
-    `wrap_part` are the composition's own steps (compose.py), applied here to the stages."""
+def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSettings, tp_plan: PlanLike,
+                   split_part: Callable, wrap_part: Callable,
+                   zero1: Optional[Callable[..., OptimizerBinding]] = None) -> PipelineParallel:
+    """Reduce `model` in place to this rank's pipeline stages and return what runs them. `split_part(model,
+    callees, plan)` and `wrap_part(part, reshard_after_forward=...)` are the composition's own steps (compose.py),
+    applied here to the stages; `zero1(deferred=...)`: ZeRO-1's binding given the tied copies the pipeline sums
+    itself (None without ZeRO-1)."""
     pp_mesh = mesh["pp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    total = pp * config.stages_per_rank
-    part = partition(model, total, config.pipeline_balance, config.pipeline_split_points, config.stages_per_rank,
-                     config.auto_partition, config.default_partition)
-    ranks = stage_ranks(config.pipeline_schedule, pp, total)
+    total = pp * settings.stages_per_rank
+    part = partition(model, total, settings.balance, settings.split_points, settings.stages_per_rank,
+                     settings.auto_partition, settings.default_partition)
+    ranks = stage_ranks(settings.schedule, pp, total)
     if dist.get_rank() == 0:
         print(part.describe(ranks), flush=True)
     local = [s for s in range(total) if ranks[s] == pp_rank]
@@ -60,22 +63,24 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig
     ties.connect(mesh.layout, dist.get_rank(), ranks)
     ties.broadcast_values()
     stages = [StageModule(stage_view(model, part, s), part, s) for s in local]
-    tp = config.tensor_parallel_degree
+    tp = settings.tensor_parallel_degree
     plan = stage_plan(model, tp_plan, tp) if tp > 1 else None
-    split_part(model, [stage.module for stage in stages], mesh, config, plan)
+    split_part(model, [stage.module for stage in stages], plan)
     wrapped = []
     for stage in stages:
         # A schedule that splits backward in two needs a stage's gathered parameters between the halves.
-        strategy = wrap_part(stage, mesh, config, reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
+        strategy = wrap_part(stage, reshard_after_forward=settings.schedule not in SPLIT_BACKWARD)
         if strategy.autocast is not None:
             stage.precision = strategy.autocast
-        elif precision.compute_dtype(config) is not None:  # the stage stores or casts parameters in it
+        elif settings.compute_dtype is not None:  # the stage stores or casts parameters in it
             for stand_in in (m for m in stage.module.modules() if isinstance(m, Elsewhere)):
-                stand_in.compute_in(precision.compute_dtype(config))
+                stand_in.compute_in(settings.compute_dtype)
         stage.install_hooks()
         wrapped.append(strategy.module)
-    runner = PipelineParallel(model, stages, wrapped, ties, pp_mesh.get_group(), config.pipeline_round)
+    binding = zero1(deferred=ties.held()) if zero1 is not None else None
+    runner = PipelineParallel(model, stages, wrapped, ties, pp_mesh.get_group(), settings.round, device,
+                              binding=binding)
     pipeline_stages = [EvalSafeStage(module, stage.index, total, device, group=pp_mesh.get_group())
                        for module, stage in zip(wrapped, stages)]
-    runner.schedule = build_schedule(config.pipeline_schedule, pipeline_stages, config.pipeline_round, runner.loss)
+    runner.schedule = build_schedule(settings.schedule, pipeline_stages, settings.round, runner.loss)
     return runner

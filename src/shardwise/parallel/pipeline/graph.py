@@ -27,31 +27,21 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 from ...api.param_mapping import adopt_model_parameters
-from ...config.schema import ShardwiseConfig
 from ...runtime.mesh import ParallelMesh
-from ...topology.decisions import PrecisionMode, precision_mode
 from ...torch_internals import FakeTensorMode, tree_map_only
-from .. import precision
 from ..local import local_tensor
 from ..materialize import mesh_device, place
 from ..strategy import OptimizerUpdate, Pieces, Strategy
 from ..tensor import PlanLike
-from .. import checkpointing  # the module, not its names: it imports this package (for Elsewhere) in turn
+from ..recompute.apply import lift_checkpointing, restore_checkpointing
 from .calls import capture
 from .graph_cut import captured, cut_graph
 from .graph_stage import GraphStage, Wiring, join_stages
 from .graph_tensor import GraphTensorParallel
 from .runner import PipelineParallel, StageModules
 from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
+from .settings import PipelineSettings
 from .ties import TiedWeights
-
-_DEFAULT_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}  # SMP's, by its `optimize`
-_STAGE_DTYPE = (PrecisionMode.CAST, PrecisionMode.STORED)  # the stage's parameters are in the compute dtype
-
-
-def memory_weight(config: ShardwiseConfig) -> float:
-    return config.memory_weight if config.memory_weight is not None else _DEFAULT_MEMORY_WEIGHT[config.optimize]
-
 
 def _capture_copy(model: nn.Module, inputs: dict[str, Any], dtype: Optional[torch.dtype]) -> tuple[nn.Module, dict]:
     """`model` and one microbatch's `inputs` as fake tensors (no memory) on their devices, floating parameters and
@@ -105,15 +95,15 @@ class GraphPipeline(Strategy):
 
     runs_whole_step = True
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, wrap_part: Callable,
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, settings: PipelineSettings, wrap_part: Callable,
                  zero1: Optional[Callable[[frozenset[int]], Any]] = None, tp_plan: PlanLike = None):
         """`wrap_part`: the composition's per-part step; `zero1`: ZeRO-1's binding given the tied copies whose
         gradients the pipeline sums itself (None without ZeRO-1); `tp_plan`: the user's tensor-parallel plan."""
         place(model, mesh)
         super().__init__(StageModules([]), model)
-        self.mesh, self.config, self.wrap_part, self.zero1 = mesh, config, wrap_part, zero1
+        self.mesh, self.settings, self.wrap_part, self.zero1 = mesh, settings, wrap_part, zero1
         self.built: Optional[PipelineParallel] = None
-        self.tensor = GraphTensorParallel(mesh["tp"], tp_plan, config.prescaled_batch)  # split at the cut
+        self.tensor = GraphTensorParallel(mesh["tp"], tp_plan, settings.prescaled_batch)  # split at the cut
         self._deferred: list[_DeferredUpdate] = []
 
     # Before the cut: the whole model. After it: the stage's pipeline answers (_DELEGATED), as if it had been
@@ -129,16 +119,16 @@ class GraphPipeline(Strategy):
         self._deferred.append(update)
         return update
 
-    def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces,
-                 around: Callable[[int], ContextManager]) -> list[Any]:
+    def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces, around: Callable[[int], ContextManager],
+                 counted: Callable[[int], ContextManager]) -> list[Any]:
         self._build(model, fn, pieces)  # the first @step only: later ones go to the built pipeline
-        return self.built.run_step(model, fn, pieces, around)
+        return self.built.run_step(model, fn, pieces, around, counted)
 
     def _build(self, model: Any, fn: Callable, pieces: Pieces) -> None:
         """Cut, capture and keep this rank's stages; bind the optimizers to them; let the whole model go."""
         whole, mesh = self.inner, self.mesh
         signature = inspect.signature(whole.forward)  # not the bound method: it would keep the whole model alive
-        checkpointed = checkpointing.lift_checkpointing(whole)  # captured plain; set again on this rank's stage
+        checkpointed = lift_checkpointing(whole)  # captured plain; set again on this rank's stage
         pipe, cut, ranks = self._captured_pipe(whole, capture(fn, model, signature, *pieces[0]))
         local = [stage for stage, rank in enumerate(ranks) if rank == mesh["pp"].get_local_rank()]
         wiring = Wiring(pipe.split_gm)
@@ -146,11 +136,11 @@ class GraphPipeline(Strategy):
         _as_in_model(modules, whole)
         for module in modules:
             self.tensor.adopt(module)
-            checkpointing.restore_checkpointing(module, checkpointed)
+            restore_checkpointing(module, checkpointed)
         inner = join_stages(modules)
         self.tensor.mark_output(inner)
         tied = _tied_groups(pipe.replicated_params, wiring.module_names)
-        _refuse_copies_on_one_rank_with_replicas(tied, ranks, mesh.layout.dp, self.config.pipeline_schedule)
+        _refuse_copies_on_one_rank_with_replicas(tied, ranks, mesh.layout.dp, self.settings.schedule)
         ties = TiedWeights(inner, tied, local)
         ties.connect(mesh.layout, dist.get_rank(), ranks)
         ties.broadcast_values()
@@ -168,17 +158,16 @@ class GraphPipeline(Strategy):
     def _captured_pipe(self, whole: nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any, list[int]]:
         """torch's split of `whole` at the cut the cost model chose (printed on rank 0), the cut, and the pp rank of
         each stage."""
-        config, pp = self.config, self.mesh["pp"].size()
-        stages = pp * config.stages_per_rank
-        ranks = stage_ranks(config.pipeline_schedule, pp, stages)
+        settings, pp = self.settings, self.mesh["pp"].size()
+        stages = pp * settings.stages_per_rank
+        ranks = stage_ranks(settings.schedule, pp, stages)
         inputs = self.tensor.gathered(inputs)
-        cut = cut_graph(whole, inputs, stages, memory_weight(config), config.auto_partition, config.default_partition,
-                        ranks)
+        cut = cut_graph(whole, inputs, stages, settings.memory_weight, settings.auto_partition,
+                        settings.default_partition, ranks)
         if dist.get_rank() == 0:
             print(cut.describe(ranks), flush=True)
         self.tensor.split(whole)
-        dtype = precision.compute_dtype(config) if precision_mode(config, self.mesh.layout) in _STAGE_DTYPE else None
-        fake_model, fake_inputs = _capture_copy(whole, inputs, dtype)
+        fake_model, fake_inputs = _capture_copy(whole, inputs, settings.stage_dtype)
         self.tensor.capturable(fake_model, whole, inputs)
         pipe = captured(whole, "export", lambda: pipeline(
             fake_model, mb_args=(), mb_kwargs=fake_inputs,
@@ -193,21 +182,19 @@ class GraphPipeline(Strategy):
                 signature: inspect.Signature) -> PipelineParallel:
         """Each stage wrapped as the composition wraps a part, all under the configured schedule; `inner` reads
         them as one module."""
-        config, pp_mesh = self.config, self.mesh["pp"]
+        settings, pp_mesh = self.settings, self.mesh["pp"]
         wrapped = []
         for stage in stages:
-            strategy = self.wrap_part(stage, self.mesh, config,
-                                      reshard_after_forward=config.pipeline_schedule not in SPLIT_BACKWARD)
+            strategy = self.wrap_part(stage, reshard_after_forward=settings.schedule not in SPLIT_BACKWARD)
             stage.precision = strategy.autocast or stage.precision
             wrapped.append(strategy.module)
-        runner = PipelineParallel(inner, stages, wrapped, ties, pp_mesh.get_group(), config.pipeline_round,
-                                  signature=signature)
-        total, device = pp_mesh.size() * config.stages_per_rank, mesh_device(self.mesh)
-        runner.schedule = build_schedule(config.pipeline_schedule, [
+        binding = self.zero1(deferred=ties.held()) if self.zero1 is not None else None
+        total, device = pp_mesh.size() * settings.stages_per_rank, mesh_device(self.mesh)
+        runner = PipelineParallel(inner, stages, wrapped, ties, pp_mesh.get_group(), settings.round, device,
+                                  signature=signature, binding=binding)
+        runner.schedule = build_schedule(settings.schedule, [
             EvalSafeStage(module, stage.index, total, device, group=pp_mesh.get_group())
-            for module, stage in zip(wrapped, stages)], config.pipeline_round, runner.loss)
-        if self.zero1 is not None:
-            runner.binding = self.zero1(deferred=ties.held())
+            for module, stage in zip(wrapped, stages)], settings.round, runner.loss)
         return runner
 
 

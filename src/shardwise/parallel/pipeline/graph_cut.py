@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ...torch_internals import FakeTensorMode, tree_flatten, tree_map
 from .partition import min_max_split
 from .placement import placed_on
-from .stage import meta_copy
+from ..stand_in import meta_copy
 
 TENSOR = object()  # marks where a tensor goes back into the model's output structure
 _FINER = 4  # a unit is split further while it costs more than 1 / (_FINER · stages) of the model

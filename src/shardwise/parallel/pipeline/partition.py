@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from torch import nn
 
-from ...config.errors import ConfigError, Problem
+from ...errors import ConfigError, Problem
 from .placement import block_placements
 
 PP_KEY = "pipeline_parallel_degree"

@@ -19,10 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...runtime.state import current
 from ...torch_internals import tree_flatten, tree_map, tree_unflatten
 from ..clipping import clip_grad_norm_
-from ..strategy import Pieces, Strategy
+from ..strategy import OptimizerBinding, Pieces, Strategy
 from ..tensor import loss_context
 from . import schedule as schedules
 from .calls import OutputsModel, call_with, capture
@@ -95,11 +94,13 @@ class PipelineParallel(Strategy):
     runs_whole_step = True
 
     def __init__(self, inner: nn.Module, stages: list[Any], wrapped: list[nn.Module],
-                 ties: TiedWeights, pp_group: dist.ProcessGroup, per_round: int,
-                 signature: Optional[inspect.Signature] = None):
-        """`stages`: this rank's `StageModule`s (or graph stages); `signature`: the model's forward's, which names
-        the inputs (default `inner.forward`'s)."""
-        super().__init__(StageModules(wrapped), inner)  # inner: reduced to this rank's stages, names unsplit
+                 ties: TiedWeights, pp_group: dist.ProcessGroup, per_round: int, device: torch.device,
+                 signature: Optional[inspect.Signature] = None, binding: Optional[OptimizerBinding] = None):
+        """`stages`: this rank's `StageModule`s (or graph stages); `device`: this rank's; `signature`: the model's
+        forward's, which names the inputs (default `inner.forward`'s); `binding`: ZeRO-1's, where the composition
+        chose it."""
+        super().__init__(StageModules(wrapped), inner, binding=binding)  # inner: this rank's stages, names unsplit
+        self.device = device
         self.signature = signature or inspect.signature(inner.forward)
         self.stages = stages
         self.ties = ties
@@ -109,16 +110,16 @@ class PipelineParallel(Strategy):
         self.schedule: Any = None  # set by apply_pipeline once the PipelineStages exist
         self._step: Optional[dict[str, Any]] = None  # the @step call being run
 
-    def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces,
-                 around: Callable[[int], ContextManager]) -> list[Any]:
+    def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces, around: Callable[[int], ContextManager],
+                 counted: Callable[[int], ContextManager]) -> list[Any]:
         """Run one @step batch through the pipeline; the per-microbatch results of `fn` on the last stage,
-        their structure elsewhere. The schedule calls `loss` per microbatch, which sets the microbatch itself
+        their structure elsewhere. The schedule calls `loss` per microbatch, which enters `counted(index)` itself
         (`around` is unused); `fn` detaches what it returns if the step asks for it."""
         calls = [capture(fn, model, self.signature, args, kwargs) for args, kwargs in pieces]
         train = torch.is_grad_enabled()
-        device = current("@shardwise.step").device
+        device = self.device
         per_round = self.per_round
-        self._step = {"fn": fn, "model": model, "pieces": pieces, "train": train, "results": {}}
+        self._step = {"fn": fn, "model": model, "pieces": pieces, "train": train, "results": {}, "counted": counted}
         earlier = self.ties.set_aside() if train else []
         try:
             for start in range(0, len(pieces), per_round):
@@ -131,9 +132,6 @@ class PipelineParallel(Strategy):
         if train:
             self.ties.sum_grads()
             self.ties.add_back(earlier)
-            if model.loss_scaler is not None and not self.holds_loss:
-                # fp16: gradients arrive scaled; the scaler's scale exists only once it has scaled something
-                model.loss_scaler.scale(torch.zeros((), device=device))
             self.after_backward_passes()
         return self._results_everywhere([results[i] for i in range(len(pieces))] if self.holds_loss else [])
 
@@ -165,7 +163,7 @@ class PipelineParallel(Strategy):
         if me == source:
             tensor = _plain(own)
         elif leaf.scalar or me == 0:
-            tensor = torch.empty(leaf.shape, dtype=leaf.dtype, device=current("@shardwise.step").device)
+            tensor = torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
         else:
             return NOT_HERE
         if leaf.scalar:
@@ -184,12 +182,8 @@ class PipelineParallel(Strategy):
         stage = next(s for s in self.stages if s.is_last)
         stand_in = OutputsModel(step["model"], stage.rebuild(output))
         args, kwargs = step["pieces"][index]
-        runtime = current("@shardwise.step")
-        runtime.microbatch = (index, len(step["pieces"]))
-        try:
+        with step["counted"](index):
             result = call_with(step["fn"], step["model"], stand_in, args, kwargs)
-        finally:
-            runtime.microbatch = None
         # Metadata inference calls this once more for microbatch 0 on the first step; the later call wins.
         step["results"][index] = result
         if stand_in.loss is not None:

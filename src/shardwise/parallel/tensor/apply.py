@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ...config.errors import ConfigError, Problem
+from ...errors import ConfigError, Problem
 from .loss import VOCAB_SHARDED_OUTPUT
 from .modules import carriers, compose_plan
 from .plan import PLAN_KEY, TensorParallelPlan, assignments, resolve

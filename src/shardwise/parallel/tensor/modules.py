@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 
 from torch import nn
 
-from ...config.errors import ConfigError
+from ...errors import ConfigError
 from .marks import marked_off
 from .plan import TensorParallelPlan, assignments, resolve
 from .rules import check_tensor_parallel

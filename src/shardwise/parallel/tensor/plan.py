@@ -16,7 +16,7 @@ from typing import Mapping, NamedTuple, Optional
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ...config.errors import ConfigError, Problem, did_you_mean
+from ...errors import ConfigError, Problem, did_you_mean
 from .styles import STYLE_NAMES, StyleSpec
 
 PLAN_KEY = "tensor_parallel_plan"

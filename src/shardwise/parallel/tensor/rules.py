@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 
 from torch import nn
 
-from ...config.errors import ConfigError, Problem
+from ...errors import ConfigError, Problem
 from .plan import PLAN_KEY, Entry, TensorParallelPlan, assignments, resolve
 from .styles import is_conv1d, make_style, style_chunks, style_splits
 

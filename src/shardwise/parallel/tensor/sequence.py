@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from ...config.errors import ConfigError, Problem
+from ...errors import ConfigError, Problem
 from .plan import PLAN_KEY, Entry, TensorParallelPlan, resolve
 from .styles import Colwise, FanOut, Rowwise, map_input
 

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from ...torch_internals import version
 from ..clipping import clip_grad_norm_
 from ..local import local_tensor
-from ..optimizer_offload import hand_gradients_to, master_copy
+from ..sharding.optimizer_offload import HostOffload, hand_gradients_to, master_copy
 from .gradient_buckets import GradientBuckets
 from .optimizer_state import OptimizerStateSharding
 
@@ -57,10 +57,13 @@ class MasterWeights:
     """The fp32 masters the wrapped optimizer steps, and the way gradients reach them and values leave them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, sharding: OptimizerStateSharding, tp_rank: int,
-                 passes: Optional[int] = None, deferred: frozenset[int] = frozenset()):
+                 passes: Optional[int] = None, deferred: frozenset[int] = frozenset(),
+                 offload: Optional[HostOffload] = None):
         """`passes` and `deferred` say when gradients are complete (GradientBuckets): None after every
-        backward pass; under a pipeline, the schedule's microbatches, and its tied weights' ids deferred."""
+        backward pass; under a pipeline, the schedule's microbatches, and its tied weights' ids deferred.
+        `offload`: the masters live in host memory."""
         self.sharding = sharding
+        self.offload = offload
         self.tp_rank = tp_rank
         self.masters: dict[nn.Parameter, torch.Tensor] = {}
         for group in optimizer.param_groups:  # already this rank's share
@@ -72,7 +75,7 @@ class MasterWeights:
         self._versions = self._current_versions()
 
     def _master(self, param: nn.Parameter) -> torch.Tensor:
-        master = master_copy(local_tensor(param))  # in host memory with offload_optimizer_state
+        master = master_copy(local_tensor(param), self.offload)
         self.masters[param] = master
         return master
 

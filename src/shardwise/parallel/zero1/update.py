@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..sharding.optimizer_offload import HostOffload
 from ..strategy import OptimizerBinding, OptimizerUpdate, Strategy
 from .master_weights import MasterWeights
 from .optimizer_state import OptimizerStateSharding
@@ -29,14 +30,14 @@ class Zero1Update(OptimizerUpdate):
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: Strategy, scaler: Optional[torch.amp.GradScaler],
                  device: torch.device, *, group: dist.ProcessGroup, masters: bool, tp_rank: int,
-                 passes: Optional[int], deferred: frozenset[int]):
+                 passes: Optional[int], deferred: frozenset[int], offload: Optional[HostOffload]):
         super().__init__(optimizer, strategy, scaler, device)
         self.sharding = OptimizerStateSharding(optimizer, group)
         self.broadcasts = (ParameterBroadcasts(self.sharding.owner_of, group, strategy.module)
                            if dist.get_world_size(group) > 1 else None)
         # Gradients travel to the owners during every backward pass; under a pipeline, during its last
         # microbatch's, the tied weights' once the schedule has summed them (`after_backward_passes`).
-        self.masters = (MasterWeights(optimizer, self.sharding, tp_rank, passes=passes, deferred=deferred)
+        self.masters = (MasterWeights(optimizer, self.sharding, tp_rank, passes=passes, deferred=deferred, offload=offload)
                         if masters else None)
         self._pipelined = passes is not None
 
@@ -116,8 +117,9 @@ class Zero1Update(OptimizerUpdate):
 
 
 def apply_zero1(group: dist.ProcessGroup, *, masters: bool, tp_rank: int, passes: Optional[int] = None,
-                deferred: frozenset[int] = frozenset()) -> OptimizerBinding:
-    """How optimizers bind under ZeRO-1 over the replicas `group`; `masters`: bf16/fp16's fp32 masters.
-    `passes`, `deferred`: a pipeline's microbatches per step and its weights tied across stages."""
+                deferred: frozenset[int] = frozenset(), offload: Optional[HostOffload] = None) -> OptimizerBinding:
+    """How optimizers bind under ZeRO-1 over the replicas `group`; `masters`: bf16/fp16's fp32 masters (in host
+    memory with `offload`). `passes`, `deferred`: a pipeline's microbatches per step and its weights tied across
+    stages."""
     return functools.partial(Zero1Update, group=group, masters=masters, tp_rank=tp_rank, passes=passes,
-                             deferred=deferred)
+                             deferred=deferred, offload=offload)

@@ -4,60 +4,48 @@
   optimizer's states (zero1/master_weights.py). Gradients still reach their owner on the
   device during backward; at the step they cross to the host, and the updated masters
   cross back into the device's parameters before the broadcasts.
-- ZeRO-2/3 and MiCS: FSDP2's `CPUOffloadPolicy` (sharding.py). FSDP2's fp32 parameter
+- ZeRO-2/3 and MiCS: FSDP2's `CPUOffloadPolicy` (apply.py). FSDP2's fp32 parameter
   shards are the values the optimizer updates, so they and their gradients live in host
   memory with the states: a unit's shards are copied to the device when it is gathered,
   its reduced gradient shards back to the host, and the optimizer steps on the host.
 
 On a CPU device host and device memory are one. The same code runs (masters apart
 from the parameters, FSDP2's offload path), nothing is saved, and rank 0 says so
-once. Pinned host memory needs an accelerator, so only an accelerator pins.
+at `init`. Pinned host memory needs an accelerator, so only an accelerator pins.
 """
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-from ..runtime.init import warn_ineffective
-from ..runtime.state import Runtime, current, is_initialized
 
-_noticed: Optional[weakref.ReferenceType] = None  # the runtime whose CPU notice was given
+@dataclass(frozen=True)
+class HostOffload:
+    """Optimizer states live in host memory; `pin`: page-locked, so copies to an accelerator are fast (a CPU
+    device has no separate host memory: nothing to pin, and `runtime/init.py` says nothing is saved)."""
 
+    pin: bool
 
-def _offloading_runtime() -> Optional[Runtime]:
-    """The runtime when its config offloads optimizer states (after rank 0's notice on a CPU device), else None."""
-    global _noticed
-    if not is_initialized() or not current().config.offload_optimizer_state:
-        return None
-    runtime = current()
-    if runtime.device.type == "cpu" and (_noticed is None or _noticed() is not runtime):
-        _noticed = weakref.ref(runtime)
-        warn_ineffective([("offload_optimizer_state", "the device is the CPU, whose memory is the host memory: "
-                                                      "optimizer states stay where they are")])
-    return runtime
+    @classmethod
+    def for_device(cls, device: torch.device) -> "HostOffload":
+        return cls(pin=device.type != "cpu")
 
 
-def _pins(runtime: Runtime) -> bool:
-    return runtime.device.type != "cpu"
+def sharded_offload_policy(offload: Optional[HostOffload]) -> OffloadPolicy:
+    """FSDP2's offload policy for a sharding unit: host memory when optimizer states are offloaded."""
+    return OffloadPolicy() if offload is None else CPUOffloadPolicy(pin_memory=offload.pin)
 
 
-def sharded_offload_policy() -> OffloadPolicy:
-    """FSDP2's offload policy for a sharding unit: host memory when the config offloads optimizer states."""
-    runtime = _offloading_runtime()
-    return OffloadPolicy() if runtime is None else CPUOffloadPolicy(pin_memory=_pins(runtime))
-
-
-def master_copy(tensor: torch.Tensor) -> torch.Tensor:
+def master_copy(tensor: torch.Tensor, offload: Optional[HostOffload]) -> torch.Tensor:
     """An fp32 copy of `tensor` for the optimizer to step: in host memory (pinned on an accelerator, so the
-    copies back to the device are fast) when the config offloads optimizer states, else beside `tensor`."""
-    runtime = _offloading_runtime()
-    if runtime is None:
+    copies back to the device are fast) when optimizer states are offloaded, else beside `tensor`."""
+    if offload is None:
         return tensor.detach().to(torch.float32, copy=True)
-    host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=_pins(runtime))
+    host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=offload.pin)
     return host.copy_(tensor.detach())
 
 

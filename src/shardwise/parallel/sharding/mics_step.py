@@ -1,6 +1,6 @@
 """The optimizer step under `cross_group_overlap: forward`: each unit's shard stepped as its all-reduce lands.
 
-MiCS's deferred cross-group reduction (cross_group.py) leaves the backward pass
+MiCS's deferred cross-group reduction (mics.py) leaves the backward pass
 with all-reduces still on the link. `step()` steps the shards already landed
 and returns; each one landing after it is stepped on arrival, with the
 hyperparameters `step()` saw (a scheduler may set the next `lr` in between),
@@ -17,20 +17,19 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..runtime.state import current
-from .cross_group import CrossGroupReduction
-from .strategy import OptimizerUpdate, Strategy
+from ..strategy import OptimizerUpdate, Strategy
+from .mics import CrossGroupReduction
 
 
 class StepAsShardsLand(OptimizerUpdate):
     """A DistributedOptimizer's step over MiCS whose cross-group all-reduces outlive backward."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: Strategy, scaler: Optional[torch.amp.GradScaler],
-                 device: torch.device, *, reduction: CrossGroupReduction):
+                 device: torch.device, *, reduction: CrossGroupReduction, whole_steps_only: bool):
+        """`whole_steps_only`: something reads every gradient before any is stepped (the non-finite check)."""
         super().__init__(optimizer, strategy, scaler, device)
         self.reduction = reduction
-        checks = current("cross_group_overlap").config.non_finite_gradients != "off"
-        self._whole_steps_only = scaler is not None or checks  # they read every gradient before stepping any
+        self._whole_steps_only = scaler is not None or whole_steps_only  # fp16's scaler reads them all too
         self._options: Optional[list[dict[str, Any]]] = None  # each group's options at step(), while shards land
         reduction.listeners.append(self._landed)
 
@@ -85,9 +84,10 @@ class StepAsShardsLand(OptimizerUpdate):
         self._options = None
 
 
-def bind_step_as_shards_land(reduction: CrossGroupReduction):
+def bind_step_as_shards_land(reduction: CrossGroupReduction, whole_steps_only: bool):
     """The optimizer binding of a model whose cross-group reduction is deferred."""
     def bind(optimizer: torch.optim.Optimizer, strategy: Strategy, scaler: Optional[torch.amp.GradScaler],
              device: torch.device) -> StepAsShardsLand:
-        return StepAsShardsLand(optimizer, strategy, scaler, device, reduction=reduction)
+        return StepAsShardsLand(optimizer, strategy, scaler, device, reduction=reduction,
+                                whole_steps_only=whole_steps_only)
     return bind

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from ..config.schema import ShardwiseConfig
-from .cluster import Cluster
-from .decisions import secondary_partition
-from .layout import Layout
+from ..topology import Cluster, Layout
+from .decisions import Decisions
+from .schema import ShardwiseConfig
 
 _GROUPS = [
     ("tp", ("tp",), "tensor parallel"),
@@ -18,7 +17,7 @@ _GROUPS = [
 
 
 def strategy_name(config: ShardwiseConfig, layout: Layout) -> str:
-    secondary = secondary_partition(config, layout)
+    secondary = Decisions(config, layout).secondary_partition
     name = _sharding_name(config, layout)
     return name + (f" with ZeRO++ hpZ (after forward, parameters stay sharded over {secondary} ranks, where "
                    "backward gathers them)" if secondary else "")
@@ -59,8 +58,9 @@ def describe_layout(config: ShardwiseConfig, layout: Layout, cluster: Cluster) -
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
         more = f" … (+{len(groups) - 8})" if len(groups) > 8 else ""
         lines.append(f"{name} groups ({meaning}, {where}): {shown}{more}")
-        if name == "dp_shard" and secondary_partition(config, layout):
-            lines.append(_secondary_groups(layout, secondary_partition(config, layout), cluster))
+        secondary = Decisions(config, layout).secondary_partition
+        if name == "dp_shard" and secondary:
+            lines.append(_secondary_groups(layout, secondary, cluster))
     return "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ that forward needs them (`send_order`). Each lands when something waits for it
 or finds it done (`advance`, and every delivery in backward): its average is
 written into the gradients unless they changed since backward delivered them
 (`optimizer.zero_grad()` after the step), in which case it is handed aside to
-the listeners (the optimizer update, cross_group_step.py, steps the shard as
+the listeners (the optimizer update, mics_step.py, steps the shard as
 it lands).
 """
 
@@ -50,8 +50,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..torch_internals import at_backward_end, version
-from .zero1.shares import IN_FLIGHT
+from ...torch_internals import at_backward_end, version
+from ..zero1.shares import IN_FLIGHT
 
 
 class _Unit:

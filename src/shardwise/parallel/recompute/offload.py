@@ -27,8 +27,6 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import noop_context_fn
 
-from ..runtime.init import warn_ineffective
-from ..runtime.state import Runtime, current, is_initialized
 
 ContextFn = Callable[[], tuple[ContextManager, ContextManager]]  # checkpoint's context_fn
 
@@ -184,35 +182,21 @@ class OffloadSchedule:
                 other.arriving = [self.mover.fetch(stored) for stored in other.stored]
 
 
-_made: Optional[tuple[weakref.ReferenceType, OffloadSchedule]] = None  # (runtime, its schedule)
+def schedule_for_device(device: torch.device, horizon: int) -> OffloadSchedule:
+    """A schedule whose mover copies to host memory, or keeps tensors where they are on a CPU device (whose
+    memory is the host's: `runtime/init.py` says at `init` that nothing moves)."""
+    return OffloadSchedule(StayOnDevice() if device.type == "cpu" else ToHost(device), horizon)
 
 
-def schedule_for(runtime: Runtime) -> Optional[OffloadSchedule]:
-    """The runtime's schedule when its config offloads activations, else None. Made once per runtime: on a CPU
-    device rank 0 then says that nothing moves."""
-    global _made
-    if not runtime.config.offload_activations:
-        return None
-    if _made is None or _made[0]() is not runtime:
-        on_cpu = runtime.device.type == "cpu"
-        _made = weakref.ref(runtime), OffloadSchedule(StayOnDevice() if on_cpu else ToHost(runtime.device),
-                                                      runtime.config.activation_loading_horizon)
-        if on_cpu:
-            warn_ineffective([("offload_activations", ("the device is the CPU, whose memory is the host memory: "
-                                                       "checkpointed activations stay where they are"))])
-    return _made[1]
-
-
-def offloaded_region() -> ContextManager[ContextFn]:
-    """Around a checkpoint call: its kept inputs go to host memory when the config offloads activations."""
-    schedule = schedule_for(current()) if is_initialized() else None
+def offloaded_region(schedule: Optional[OffloadSchedule]) -> ContextManager[ContextFn]:
+    """Around a checkpoint call: its kept inputs go where `schedule` stores them (None: they stay)."""
     return schedule.region() if schedule is not None else contextlib.nullcontext(noop_context_fn)
 
 
 @contextlib.contextmanager
-def first_step_check(runtime: Runtime) -> Iterator[None]:
-    """Around a @step: after the first training step, rank 0 says so if offloading found nothing to move."""
-    schedule = schedule_for(runtime)
+def first_step_check(schedule: Optional[OffloadSchedule], warn: Callable[[list[tuple[str, str]]], None]
+                     ) -> Iterator[None]:
+    """Around a @step: after the first training step, `warn` names offloading that found nothing to move."""
     if schedule is None or schedule.first_step_checked or not torch.is_grad_enabled():
         yield
         return
@@ -220,6 +204,6 @@ def first_step_check(runtime: Runtime) -> Iterator[None]:
     yield
     schedule.first_step_checked = True
     if schedule.regions_packed == before:
-        warn_ineffective([("offload_activations", ("no activation-checkpointed region ran in the first training "
-                                                   "step, and only what checkpointed regions keep is offloaded; "
-                                                   "checkpoint modules with sw.set_activation_checkpointing"))])
+        warn([("offload_activations", ("no activation-checkpointed region ran in the first training "
+                                       "step, and only what checkpointed regions keep is offloaded; "
+                                       "checkpoint modules with sw.set_activation_checkpointing"))])
