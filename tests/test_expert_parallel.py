@@ -11,6 +11,9 @@ the same global batches:
 
 - the loss (mean over ranks) and the load-balancing loss (every rank's) per step;
 - every whole parameter, norm-relative, within 1e-5.
+
+The all-to-all bytes each rank sends, as shardwise's collective watch records them, are
+planner/experts.py's for the rows that rank's experts received.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from shardwise.observe.comms import CollectiveWatch
 from shardwise.parallel.experts import (apply_expert_parallel, dispatch_combine, expert_parallel_modules,
                                         register_experts)
+from shardwise.planner.experts import all_to_all_bytes, expert_shape
 from shardwise.testing import run_distributed
 from tiny_models import dataset, relative_error
-from tiny_moe import PlainExperts, moe_loss, plain_loss, plain_moe, tiny_moe
+from tiny_moe import EXPERTS, HIDDEN, TOP_K, PlainExperts, moe_loss, plain_loss, plain_moe, tiny_moe
 
 WORLD, ROWS, STEPS = 4, 2, 3
 TOLERANCE = 1e-5
@@ -156,3 +161,33 @@ def test_register_experts_takes_only_module_classes_and_attribute_names():
         register_experts()(int)
     with pytest.raises(TypeError, match="register_experts: num_experts must name the attribute"):
         register_experts(num_experts="")(PlainExperts)
+
+
+def traffic(ep: int, tokens: int) -> dict:
+    """One rank: one training step of a one-layer tiny Mixtral, its all-to-all bytes on the EP group as
+    shardwise's collective watch records them, and the rows its experts received."""
+    mesh = init_device_mesh("cpu", (WORLD // ep, ep), mesh_dim_names=("replicas", "ep"))
+    model = tiny_moe("mixtral", layers=1)
+    apply_expert_parallel(model, mesh["ep"], dist.group.WORLD)
+    layer, = expert_parallel_modules(model)
+    layer.traffic = []
+    ids = torch.randint(0, 128, (tokens // 8, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    group = mesh["ep"].get_group()
+    with CollectiveWatch({group.group_name: ("ep", ep)}) as watch:
+        model(input_ids=ids, labels=ids).loss.backward()
+    exchanges = [c.nbytes for c in watch.collectives if c.name == "all_to_all" and c.group == "ep"]
+    return {"bytes": sum(exchanges), "calls": len(exchanges),
+            "received": sum(sum(record.received) for record in layer.traffic)}
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_all_to_all_bytes_are_the_planners_for_the_rows_each_rank_received(ep):
+    tokens = 64
+    shape = expert_shape(EXPERTS, TOP_K, 1, HIDDEN, 2 * HIDDEN)
+    ranks = run_distributed(traffic, WORLD, ep, tokens)
+    for got in ranks:
+        # counts, then dispatch and combine forward and again in backward
+        assert got["calls"] == 5
+        assert got["bytes"] == all_to_all_bytes(shape, tokens, ep, 4, skew=got["received"] / (tokens * TOP_K))
+    # every row dispatched is received somewhere: on average a rank's bytes are the balanced router's
+    assert sum(got["bytes"] for got in ranks) / WORLD == all_to_all_bytes(shape, tokens, ep, 4, skew=1.0)
