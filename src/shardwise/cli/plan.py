@@ -25,6 +25,10 @@ _CLUSTER_FLAGS = [
     ("--inter-node-gbs", "inter_node_bandwidth", GB, float, "per-node network bandwidth, GB/s", True),
     ("--intra-node-latency-us", "intra_node_latency", 1e-6, float, "latency per step inside a node, µs", False),
     ("--inter-node-latency-us", "inter_node_latency", 1e-6, float, "latency per step between nodes, µs", False),
+    ("--clock-mhz", "clock_mhz", 1, float, "the clock the device sustains, MHz: its preset's peak scaled from the "
+     "boost clock (a capped or down-clocked part; nvidia-smi -q -d CLOCK shows it under load)", False),
+    ("--power-limit-w", "power_limit_watts", 1, float, "the board power limit, W: its preset's peak scaled by the "
+     "cube root of limit / rated power (first order; --clock-mhz or --peak-tflops when known)", False),
     ("--link-efficiency", "link_efficiency", 1, fraction,
      "share of a link's bandwidth a collective gets (default 0.8, NCCL's; 0.95 on local, gloo's TCP)", False),
 ]
@@ -80,6 +84,11 @@ def _cluster(args: argparse.Namespace):
               for _, dest, unit, *_ in _CLUSTER_FLAGS}
     if args.cluster:
         return cluster_preset(args.cluster, **values)
+    clocked = [flag for flag, dest in (("--clock-mhz", "clock_mhz"), ("--power-limit-w", "power_limit_watts"))
+               if values.pop(dest) is not None]
+    if clocked:
+        raise PlanError(f"{clocked[0]} scales a preset device's peak; without --cluster give --peak-tflops at the "
+                        "clock the device runs")
     missing = [flag for flag, dest, *_, required in _CLUSTER_FLAGS if required and values[dest] is None]
     if missing:
         raise PlanError("no --cluster preset given; pass --cluster [N x]PRESET (" + ", ".join(CLUSTER_PRESETS)
