@@ -24,8 +24,7 @@ from ..checkpoint.contents import as_held
 from ..checkpoint.legacy import local_tensors
 from ..config import ShardwiseConfig
 from ..config.effects import changed
-from ..parallel import precision
-from ..parallel.compose import parallelize
+from ..parallel.compose import loss_scaler, parallelize
 from ..parallel.materialize import has_meta
 from ..parallel.pipeline.stage import Elsewhere
 from ..parallel.strategy import OptimizerUpdate
@@ -177,7 +176,7 @@ class DistributedModel(nn.Module):
         self._strategy = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan,
                                      ddp_options=options.ddp_options())
         self.module = self._strategy.module
-        self.loss_scaler = precision.loss_scaler(runtime.config, runtime.device)
+        self.loss_scaler = loss_scaler(runtime.config, runtime.device)
         self._partitioned = False
         self._stepped = False
         self._passes = 0  # training @steps since gradients were last synchronised

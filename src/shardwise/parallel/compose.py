@@ -22,6 +22,7 @@ import functools
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config.schema import ShardwiseConfig
@@ -62,7 +63,19 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
 
 # What the API layer and the front ends use from `parallel/` besides `strategy`: this module is its one door.
 __all__ = ["OffloadSchedule", "activation_offload", "apply_activation_checkpointing", "checkpoint_in_groups",
-           "checkpointed", "first_step_check", "group_size", "parallelize"]
+           "checkpointed", "compute_dtype", "first_step_check", "group_size", "loss_scaler", "parallelize"]
+
+
+def compute_dtype(config: ShardwiseConfig) -> Optional[torch.dtype]:
+    """Mixed precision's compute dtype, None in fp32."""
+    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+
+
+def loss_scaler(config: ShardwiseConfig, device: torch.device) -> Optional[precision.LossScaler]:
+    """Dynamic loss scaling for fp16 over every rank, torch's rule until an optimizer configures another."""
+    if not config.fp16:
+        return None
+    return precision.LossScaler(device.type, dist.group.WORLD)
 
 
 def activation_offload(config: ShardwiseConfig, device: torch.device) -> Optional[OffloadSchedule]:
@@ -75,7 +88,7 @@ def activation_offload(config: ShardwiseConfig, device: torch.device) -> Optiona
 
 def pipeline_settings(decisions: Decisions) -> PipelineSettings:
     config = decisions.config
-    dtype = precision.compute_dtype(config)
+    dtype = compute_dtype(config)
     stored = decisions.precision_mode() in (PrecisionMode.CAST, PrecisionMode.STORED)
     return PipelineSettings(
         stages_per_rank=config.stages_per_rank, balance=config.pipeline_balance,
@@ -104,7 +117,7 @@ def wrap_part(part: nn.Module, *, mesh: ParallelMesh, decisions: Decisions, resh
     config = decisions.config
     trains = any(p.requires_grad for p in part.parameters())
     how, mode = decisions.wrapping(trains), decisions.precision_mode(trains)
-    dtype = precision.compute_dtype(config)
+    dtype = compute_dtype(config)
     if mode is PrecisionMode.STORED:
         precision.store_in_compute_dtype(part, dtype)
     autocast = None

@@ -23,13 +23,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from ..config.schema import ShardwiseConfig
 from ..torch_internals import tree_map_only, unscale_and_check_
 from .local import local_tensor
-
-
-def compute_dtype(config: ShardwiseConfig) -> Optional[torch.dtype]:
-    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
 
 
 def sharded_policy(dtype: Optional[torch.dtype], root: bool) -> MixedPrecisionPolicy:
@@ -181,10 +176,3 @@ class LossScaler(ShardedGradScaler):
                 flag = found.setdefault(device, found_inf.to(device, copy=True))
                 unscale_and_check_(tensors, flag, inv_scale.to(device))
         return found or {self._scale.device: found_inf.to(self._scale.device, copy=True)}
-
-
-def loss_scaler(config: ShardwiseConfig, device: torch.device) -> Optional[LossScaler]:
-    """Dynamic loss scaling for fp16, torch's rule until an optimizer configures another."""
-    if not config.fp16:
-        return None
-    return LossScaler(device.type, dist.group.WORLD)
