@@ -1,5 +1,5 @@
 """The time model's parts for GPUs: kernels by shape, pipeline schedules' bubbles, uneven splits, tree latency,
-clocks and power limits (docs/planner.md, "Where the time goes")."""
+clocks and power limits (docs/planner.md, "Step time")."""
 
 import json
 from dataclasses import replace

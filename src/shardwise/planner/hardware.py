@@ -127,7 +127,7 @@ class ClusterSpec:
         return max(faster, key=lambda d: flops[d]) if faster else "fp32"
 
 
-# Kernel rates (docs/planner.md, "Where the time goes"): matmul, the MAMF table of Bekman's ml-engineering
+# Kernel rates (docs/planner.md, "Assumptions"): matmul, the MAMF table of Bekman's ml-engineering
 # (compute/accelerator/README.md: A100 SXM 267.9 of 312 TFLOP/s, H100 SXM 792.1 of 989, bf16, CUDA 12.1);
 # attention, FlashAttention-2 (Dao, 2023, arXiv:2307.08691, section 4.1: forward + backward, causal, head dim
 # 128, long sequences: about 200 TFLOP/s on A100 80GB SXM4 and 335 on H100 SXM5).

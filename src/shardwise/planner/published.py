@@ -135,17 +135,23 @@ class Summary:
 
     def table(self) -> str:
         """A markdown table, one row per run, and the summary line."""
-        rows = ["| run | measured tokens/s/device | predicted | error | measured MFU | predicted MFU | fits |",
+        rows = ["| run | measured tokens/s/device | predicted | error | measured MFU | predicted MFU | fits (per rank) |",
                 "|---|---:|---:|---:|---:|---:|---|"]
         for c in self.comparisons:
             rows.append(f"| {c.name} | {c.measured_tokens_per_s:,.0f} | {c.predicted_tokens_per_s:,.0f} | "
                         f"{c.error:+.0%} | {c.measured_mfu:.1%} | {c.predicted_mfu:.1%} | "
-                        f"{'yes' if c.fits else 'no: ' + (c.evaluation.reason or '')[:60]} |")
+                        f"{_fits(c)} |")
         rows.append(f"\n{len(self.comparisons)} runs: {self.within(0.15)} within ±15 %, {self.within(0.25)} within "
                     f"±25 %; mean absolute error {self.mean_absolute_error:.1%}; Spearman ρ on MFU "
                     f"{self.mfu_rank_correlation:.2f}; trained runs predicted not to fit: "
                     f"{len(self.trained_but_predicted_not_to_fit)}")
         return "\n".join(rows)
+
+
+def _fits(c: Comparison) -> str:
+    memory = c.evaluation.memory
+    shown = f"{memory.total / GiB:.1f} GiB" if memory else "-"
+    return f"yes ({shown})" if c.fits else f"**no** ({shown})"
 
 
 def summarize(runs: Sequence[Mapping[str, Any]]) -> Summary:
