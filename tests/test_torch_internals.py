@@ -42,6 +42,7 @@ from shardwise.torch_internals import (
     flash_attention_cpu_backward,
     flatten_mesh,
     flight_recorder_trace,
+    foreach,
     process_groups,
     replicate,
     reshard_after_forward_over,
@@ -236,6 +237,32 @@ def test_clear_dtensor_caches_empties_them_and_dtensor_still_works(mesh):
     clear_dtensor_caches()
     assert _redistribute._gen_transform_infos.cache_info().currsize == 0
     assert (t + 1).redistribute(mesh, [Shard(0)]).to_local().eq(2).all()
+
+
+# ----- multi-tensor ops -----
+
+def test_foreach_ops_compute_per_tensor_in_place_or_new_on_plain_and_dtensor_lists(mesh):
+    """LAMB and NovoGrad step with these: each acts on every tensor of the list, the `_` ones in place, and a
+    DTensor list keeps its placements (the norms come back partial, to be reduced over the mesh)."""
+    a, b = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])], [torch.tensor([1.0, 2.0]), torch.tensor([2.0])]
+    assert [n.item() for n in foreach.norm(a, 2.0, dtype=torch.float64)] == [5.0, 1.0]
+    halves = foreach.div(a, 2.0)
+    assert [t.tolist() for t in halves] == [[1.5, 2.0], [0.5]] and a[0].tolist() == [3.0, 4.0]
+    foreach.add_(a, b, alpha=2.0)  # a = [5, 8], [5]
+    foreach.sub_(a, b)  # [4, 6], [3]
+    foreach.mul_(a, 2.0)  # [8, 12], [6]
+    foreach.div_(a, b)  # [8, 6], [3]
+    foreach.addcmul_(a, b, b, value=0.5)  # [8.5, 8], [5]
+    foreach.add_(a, 1.0)  # [9.5, 9], [6]
+    foreach.sqrt_(b)
+    assert [t.tolist() for t in a] == [[9.5, 9.0], [6.0]] and b[1].item() == pytest.approx(2 ** 0.5)
+    foreach.copy_(b, [torch.zeros(2), torch.ones(1)])
+    assert [t.tolist() for t in b] == [[0.0, 0.0], [1.0]]
+    shards = [distribute_tensor(torch.tensor([3.0, 4.0]), mesh, [Shard(0)])]
+    norm = foreach.norm(shards, 2.0)[0]
+    assert isinstance(norm, DTensor) and norm.placements[0].is_partial() and norm.full_tensor().item() == 5.0
+    foreach.mul_(shards, 2.0)
+    assert shards[0].placements == (Shard(0),) and shards[0].full_tensor().tolist() == [6.0, 8.0]
 
 
 # ----- tensor-parallel styles -----

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from .torch_internals import foreach
+
 __all__ = ["FusedLamb", "FusedNovoGrad"]
 
 
@@ -42,7 +44,7 @@ def _alike(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def whole_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
     """The norm of each whole tensor of `tensors` (of one dtype and layout), as one plain 1-D tensor. DTensor
     norms come back partial (each rank's piece); one reduction over the mesh completes them all."""
-    norms = torch.stack(torch._foreach_norm(tensors, ord, dtype=_computing(tensors[0].dtype)))
+    norms = torch.stack(foreach.norm(tensors, ord, dtype=_computing(tensors[0].dtype)))
     return norms.full_tensor() if isinstance(norms, DTensor) else norms
 
 
@@ -147,27 +149,27 @@ class FusedLamb(_ApexOptimizer):
         states = [self._state(p) for p in params]
         exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
         values = _widened(params)
-        grads = torch._foreach_div(_widened([p.grad for p in params]), divisor)  # new tensors: grads stay as they are
+        grads = foreach.div(_widened([p.grad for p in params]), divisor)  # new tensors: grads stay as they are
         if decay and not group["adam_w_mode"]:
-            torch._foreach_add_(grads, values, alpha=decay)  # L2: weight decay joins the gradient
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=beta3)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        updates = torch._foreach_div(exp_avgs, correction1)
-        denominators = torch._foreach_div(exp_avg_sqs, correction2)
-        torch._foreach_sqrt_(denominators)
-        torch._foreach_add_(denominators, group["eps"])
-        torch._foreach_div_(updates, denominators)
+            foreach.add_(grads, values, alpha=decay)  # L2: weight decay joins the gradient
+        foreach.mul_(exp_avgs, beta1)
+        foreach.add_(exp_avgs, grads, alpha=beta3)
+        foreach.mul_(exp_avg_sqs, beta2)
+        foreach.addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        updates = foreach.div(exp_avgs, correction1)
+        denominators = foreach.div(exp_avg_sqs, correction2)
+        foreach.sqrt_(denominators)
+        foreach.add_(denominators, group["eps"])
+        foreach.div_(updates, denominators)
         if decay and group["adam_w_mode"]:
-            torch._foreach_add_(updates, values, alpha=decay)
+            foreach.add_(updates, values, alpha=decay)
         ratios = [lr] * len(params)
         if decay or group["use_nvlamb"]:  # the trust ratio: each parameter's norm over its update's
             param_norms, update_norms = whole_norms(values), whole_norms(updates)
             trusted = (param_norms != 0) & (update_norms != 0)
             ratios = torch.where(trusted, lr * (param_norms / update_norms), lr).tolist()
-        torch._foreach_mul_(updates, ratios)
-        torch._foreach_sub_(values, updates)
+        foreach.mul_(updates, ratios)
+        foreach.sub_(values, updates)
         _write_back(params, values)
 
     def _state(self, param: torch.Tensor) -> dict[str, Any]:
@@ -229,17 +231,17 @@ class FusedNovoGrad(_ApexOptimizer):
         values = _widened(params)
         inside = group["reg_inside_moment"]  # the paper's form: normalise and decay before the moment
         if inside:
-            grads = torch._foreach_div(grads, denominators)
+            grads = foreach.div(grads, denominators)
             if decay:
-                torch._foreach_add_(grads, values, alpha=decay)
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=beta3)
-        updates = torch._foreach_div(exp_avgs, correction1)
+                foreach.add_(grads, values, alpha=decay)
+        foreach.mul_(exp_avgs, beta1)
+        foreach.add_(exp_avgs, grads, alpha=beta3)
+        updates = foreach.div(exp_avgs, correction1)
         if not inside:
-            torch._foreach_div_(updates, denominators)
+            foreach.div_(updates, denominators)
             if decay:
-                torch._foreach_add_(updates, values, alpha=decay)
-        torch._foreach_add_(values, updates, alpha=-lr)
+                foreach.add_(updates, values, alpha=decay)
+        foreach.add_(values, updates, alpha=-lr)
         _write_back(params, values)
 
     def _blend(self, group: dict[str, Any], params: list[torch.Tensor], norms: torch.Tensor,
@@ -258,5 +260,5 @@ class FusedNovoGrad(_ApexOptimizer):
             blended = (beta2 * previous.square() + (1 - beta2) * norms.square()).sqrt()
         else:
             blended = beta2 * previous + (1 - beta2) * norms
-        torch._foreach_copy_(seen, list(blended.unbind()))
+        foreach.copy_(seen, list(blended.unbind()))
         return blended

@@ -28,6 +28,7 @@ import contextlib
 import pickle
 from datetime import timedelta
 from functools import partial
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, MutableMapping
 
 import torch
@@ -61,13 +62,23 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_on
 __all__ = [
     "FakeTensorMode", "all_reduce_sum", "all_to_all_autograd", "at_backward_end", "children_table",
     "flash_attention_cpu",
-    "flash_attention_cpu_backward", "ring_attention", "ring_attention_backward",
+    "flash_attention_cpu_backward", "foreach", "ring_attention", "ring_attention_backward",
     "clear_dtensor_caches", "drop_forward_hooks", "flatten_mesh",
     "flight_recorder_trace", "process_groups", "replicate", "reshard_after_forward_over", "set_group_timeout",
     "strided_shard", "style_input_fn", "style_output_fn", "TorchDispatchMode",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
     "unflatten_mesh", "unscale_and_check_", "version",
 ]
+
+
+# torch's multi-tensor ops: one call runs an op over a whole list of tensors (DTensors included), as torch.optim's
+# foreach path does; SMP's FusedLamb and FusedNovoGrad step with them. No public equivalent in 2.13 (only
+# torch.optim's built-in optimizers reach them); a public torch.foreach module would replace them.
+foreach = SimpleNamespace(
+    norm=torch._foreach_norm, sqrt_=torch._foreach_sqrt_, copy_=torch._foreach_copy_,
+    add_=torch._foreach_add_, sub_=torch._foreach_sub_, mul_=torch._foreach_mul_, div_=torch._foreach_div_,
+    div=torch._foreach_div, addcmul_=torch._foreach_addcmul_,
+)
 
 
 def at_backward_end(callback: Callable[[], None]) -> None:
