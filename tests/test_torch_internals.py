@@ -254,6 +254,8 @@ def test_foreach_ops_compute_per_tensor_in_place_or_new_on_plain_and_dtensor_lis
     foreach.div_(a, b)  # [8, 6], [3]
     foreach.addcmul_(a, b, b, value=0.5)  # [8.5, 8], [5]
     foreach.add_(a, 1.0)  # [9.5, 9], [6]
+    assert [t.tolist() for t in foreach.add(a, 0.5)] == [[10.0, 9.5], [6.5]] and a[1].item() == 6.0
+    assert [t.tolist() for t in foreach.sqrt([torch.tensor([9.0])])] == [[3.0]]
     foreach.sqrt_(b)
     assert [t.tolist() for t in a] == [[9.5, 9.0], [6.0]] and b[1].item() == pytest.approx(2 ** 0.5)
     foreach.copy_(b, [torch.zeros(2), torch.ones(1)])

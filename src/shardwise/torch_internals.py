@@ -72,12 +72,12 @@ __all__ = [
 
 
 # torch's multi-tensor ops: one call runs an op over a whole list of tensors (DTensors included), as torch.optim's
-# foreach path does; SMP's FusedLamb and FusedNovoGrad step with them. No public equivalent in 2.13 (only
+# foreach path does; SMP's FusedLamb and FusedNovoGrad, and DeepSpeed's Lamb, step with them. No public equivalent in 2.13 (only
 # torch.optim's built-in optimizers reach them); a public torch.foreach module would replace them.
 foreach = SimpleNamespace(
     norm=torch._foreach_norm, sqrt_=torch._foreach_sqrt_, copy_=torch._foreach_copy_,
     add_=torch._foreach_add_, sub_=torch._foreach_sub_, mul_=torch._foreach_mul_, div_=torch._foreach_div_,
-    div=torch._foreach_div, addcmul_=torch._foreach_addcmul_,
+    add=torch._foreach_add, sqrt=torch._foreach_sqrt, div=torch._foreach_div, addcmul_=torch._foreach_addcmul_,
 )
 
 

@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from ..config.blocks import OptimizerBlock, SchedulerBlock
 from ..optimizers import FusedLamb, _widened, _write_back, whole_norms
 from ..runtime.state import current
+from ..torch_internals import foreach
 from .optimizer import DistributedOptimizer
 
 __all__ = ["configured_batch_size", "configured_optimizer", "configured_scheduler", "DeepSpeedLamb", "OneCycle",
@@ -79,27 +80,27 @@ class DeepSpeedLamb(FusedLamb):
         states = [self._state(p) for p in params]
         exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
         values, grads = _widened(params), _widened([p.grad for p in params])
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        foreach.mul_(exp_avgs, beta1)
+        foreach.add_(exp_avgs, grads, alpha=1 - beta1)
+        foreach.mul_(exp_avg_sqs, beta2)
+        foreach.addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         if group["eps_inside_sqrt"]:
-            denominators = torch._foreach_add(exp_avg_sqs, group["eps"])
-            torch._foreach_sqrt_(denominators)
+            denominators = foreach.add(exp_avg_sqs, group["eps"])
+            foreach.sqrt_(denominators)
         else:
-            denominators = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_add_(denominators, group["eps"])
-        updates = torch._foreach_div(exp_avgs, denominators)
+            denominators = foreach.sqrt(exp_avg_sqs)
+            foreach.add_(denominators, group["eps"])
+        updates = foreach.div(exp_avgs, denominators)
         if group["weight_decay"]:
-            torch._foreach_add_(updates, values, alpha=group["weight_decay"])
+            foreach.add_(updates, values, alpha=group["weight_decay"])
         step_size = group["lr"]
         if group["bias_correction"]:  # the kernel corrects the step, not the moments
             step_size *= math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
         param_norms, update_norms = whole_norms(values), whole_norms(updates)
         ratios = (param_norms / update_norms).clamp(group["min_coeff"], group["max_coeff"])
         ratios = torch.where((param_norms != 0) & (update_norms != 0), ratios, 1.0)
-        torch._foreach_mul_(updates, (step_size * ratios).tolist())
-        torch._foreach_sub_(values, updates)
+        foreach.mul_(updates, (step_size * ratios).tolist())
+        foreach.sub_(values, updates)
         _write_back(params, values)
 
 
