@@ -8,6 +8,7 @@ rank 0's whole parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Optional
@@ -48,6 +49,8 @@ def arguments(cls: Any, out: str, micro: int, **more: Any) -> Any:
                     weight_decay=0.01, warmup_steps=1, logging_steps=1, save_strategy="no", report_to=[],
                     disable_tqdm=True, seed=11, log_level="error")
     settings.update(more)
+    if "activation_checkpointing" not in {field.name for field in dataclasses.fields(cls)}:  # before 5.20
+        settings["gradient_checkpointing"] = settings.pop("activation_checkpointing", False)
     return cls(**settings)
 
 

@@ -300,7 +300,9 @@ class ShardwiseTrainerMixin:
         if self._shardwise_model is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self._save(output_dir, state_dict=self._shardwise_model.full_state_dict())
+        whole = self._shardwise_model.full_state_dict()  # a gather every rank joins
+        if self.args.should_save:  # transformers' _save writes on every rank that calls it (before 5.20)
+            self._save(output_dir, state_dict=whole)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
