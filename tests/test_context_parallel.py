@@ -1,4 +1,5 @@
-"""Context parallelism trains Hugging Face GPT-2, Llama, Mistral and Qwen2 as one process does.
+"""Context parallelism trains Hugging Face GPT-2, Llama, Mistral and Qwen2, and a user's module through the
+documented hook, as one process does.
 
 On 4 gloo ranks, CP 2 (two data-parallel replicas of 2) and CP 4, ring and all-to-all, causal, with and without
 packed documents: each rank feeds its load-balanced share of its replica's rows (`shard_batch`), trains on
@@ -16,7 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.parallel.context import apply_context_parallel, sequence_loss, shard_batch, unsplittable_reason
+from shardwise.parallel.context import (
+    apply_context_parallel,
+    attention,
+    context_parallel_attention,
+    sequence_loss,
+    shard_batch,
+)
 from shardwise.testing import run_distributed
 
 SEQ, VOCAB, STEPS, LR = 16, 128, 3, 0.5
@@ -25,8 +32,42 @@ POSITIONS = {False: torch.arange(SEQ).expand(2, -1),
              True: torch.tensor([list(range(5)) + list(range(7)) + list(range(4)), list(range(9)) + list(range(7))])}
 
 
+@context_parallel_attention
+class UserAttention(nn.Module):
+    """A user's own causal attention, through the documented hook."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return self.out(attention(self, q, k, v, documents=document_ids).transpose(1, 2).reshape(batch, seq, hidden))
+
+
+class UserModel(nn.Module):
+    """Embeddings (tokens and positions), two attention blocks, a head, and transformers' loss convention."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(SEQ, hidden)
+        self.blocks, self.head = nn.ModuleList(UserAttention(hidden) for _ in range(2)), nn.Linear(hidden, VOCAB)
+
+    def forward(self, input_ids, position_ids, labels=None, document_ids=None, use_cache=None):
+        x = self.tokens(input_ids) + self.positions(position_ids)
+        for block in self.blocks:
+            x = x + block(x, document_ids)
+        logits = self.head(x)
+        loss = None if labels is None else nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return type("Output", (), {"logits": logits, "loss": loss})
+
+
 def tiny(kind: str) -> nn.Module:
     import transformers as hf
+
+    if kind == "user":
+        return UserModel()
 
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if kind == "gpt2":
@@ -102,7 +143,8 @@ def _worst(got: tuple, want: tuple) -> float:
 
 CASES = [(kind, cp, mode, packed) for kind in ("gpt2", "llama") for cp in (2, 4) for mode in ("ring", "all_to_all")
          for packed in (False, True)] + [("mistral", 4, "ring", True), ("qwen2", 2, "all_to_all", True),
-                                         ("mistral", 2, "all_to_all", False), ("qwen2", 4, "ring", False)]
+                                         ("mistral", 2, "all_to_all", False), ("qwen2", 4, "ring", False),
+                                         ("user", 2, "ring", False), ("user", 4, "all_to_all", False)]
 
 
 def same_math(cases: list) -> dict:
@@ -124,10 +166,3 @@ def test_the_packed_reference_keeps_documents_apart(kind):
     packed = model(ids, position_ids=POSITIONS[True][:1], use_cache=False).logits[0, 12:]
     alone = model(ids[:, 12:], position_ids=torch.arange(4).unsqueeze(0)).logits[0]
     assert torch.allclose(packed, alone, atol=1e-5)
-
-
-def test_a_model_whose_attention_cannot_be_split_is_named():
-    assert unsplittable_reason(tiny("llama")) is None
-    with pytest.raises(ValueError, match=r"context parallelism cannot split the attention of model Sequential: it "
-                                         r"splits Hugging Face gpt2, llama, mistral, qwen2 attention"):
-        apply_context_parallel(nn.Sequential(nn.Linear(2, 2)), None, "ring")

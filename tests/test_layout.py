@@ -82,7 +82,7 @@ def test_a_cluster_shape_the_environment_cannot_give_is_named(env, message):
 
 
 def test_unknown_axis_is_named():
-    with pytest.raises(ValueError, match="unknown axis 'dp'; axes are pp, dp_replicate, dp_shard, tp"):
+    with pytest.raises(ValueError, match="unknown axis 'dp'; axes are pp, dp_replicate, dp_shard, cp, tp"):
         Layout(dp_shard=2).groups("dp")
 
 

@@ -7,6 +7,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from ..topology import Cluster, Layout
 from ..errors import ConfigError, Problem
+from .context import context_problems
 from .hpz import KEY as HPZ
 from .packages import package_problems
 from .schema import ShardwiseConfig
@@ -39,7 +40,11 @@ def layout_problems(config: ShardwiseConfig, cluster: Cluster) -> tuple[Optional
                                 f"must divide the world size {world}",
                                 "choose degrees whose product divides the number of processes"))
         return None, problems
-    dp = world // (tp * pp)
+    split = context_problems(config, world // (tp * pp))
+    if split:
+        return None, problems + split
+    cp = config.context_parallel_degree
+    dp = world // (tp * pp * cp)
     group = config.sharded_data_parallel_degree
     if group > 1 and dp % group:
         problems.append(Problem("sharded_data_parallel_degree", group,
@@ -49,7 +54,7 @@ def layout_problems(config: ShardwiseConfig, cluster: Cluster) -> tuple[Optional
         problems.append(Problem("ddp", False, f"gradients must be synchronised across the {dp} data-parallel ranks",
                                 "set ddp to true, or make tp × pp equal the world size"))
     shard = 1 if config.effective_zero_stage < 2 else group if group > 1 else dp
-    layout = Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp, placement=config.placement)
+    layout = Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp, placement=config.placement, cp=cp)
     problems += _hpz_problems(config, layout, cluster)
     spanning = [g for g in layout.groups("tp") if len({cluster.node_of(r) for r in g}) > 1]
     if spanning and not any(p.path == "tensor_parallel_degree" for p in problems):

@@ -67,6 +67,15 @@ class ShardwiseConfig(SmpOnlySettings):
     tensor_parallel_degree: int = Field(1, ge=1, description="Ranks inside a node that split each layer.")
     sequence_parallel: bool = Field(False, description="With tensor parallelism, shard the activations between the "
                                     "split layers (norms, dropouts, residual stream) over the sequence.")
+    context_parallel_degree: int = Field(
+        1, ge=1, description="Context parallelism (SMP v2's and torchtitan's name): ranks every sequence is split over "
+        "(a mesh axis cp between tp and the data-parallel axes), in load-balanced chunks; attention reaches the "
+        "rest of the sequence by context_parallel_mode. Must divide world / (tp x pp), half the sequence length, "
+        "and under all_to_all the attention heads. 1 = off.")
+    context_parallel_mode: Literal["ring", "all_to_all"] = Field(
+        "ring", description="How attention sees the whole sequence under context parallelism: 'ring' passes key/value "
+        "blocks around the cp ranks (overlapping each block's attention); 'all_to_all' (Ulysses) trades the sequence "
+        "split for a head split around attention (heads must divide by the degree).")
     pipeline_parallel_degree: int = Field(1, ge=1, description="Pipeline stages (across nodes).")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"] = Field(
         "1f1b", description="Pipeline schedule (torch.distributed.pipelining); interleaved and zero-bubble ones "
@@ -268,6 +277,9 @@ def field_names() -> list[str]:
 
 
 def unavailable_features(config: ShardwiseConfig) -> list[tuple[str, object]]:
-    """(key, value) of settings whose feature this release cannot run yet: none at present."""
-    pending: dict[str, bool] = {}
+    """(key, value) of settings whose feature this release cannot run yet.
+
+    Context parallelism runs through `shardwise.parallel.context` on a user's own groups; the runtime does not
+    yet split a `@step`'s batch over cp nor reduce gradients over it, so the key is refused rather than ignored."""
+    pending: dict[str, bool] = {"context_parallel_degree": config.context_parallel_degree > 1}
     return [(key, getattr(config, key)) for key, used in pending.items() if used]

@@ -43,9 +43,8 @@ _made_mp_groups: WeakKeyDictionary[ParallelMesh, ProcessGroup] = WeakKeyDictiona
 def _members(runtime: Runtime, name: str) -> list[int]:
     axes = GROUP_AXES[name]
     here = runtime.layout.coords(runtime.rank)
-    degrees = runtime.layout.degrees()
     return sorted(runtime.layout.rank_of({**here, **dict(zip(axes, index))})
-                  for index in product(*(range(degrees[axis]) for axis in axes)))
+                  for index in product(*(range(getattr(runtime.layout, axis)) for axis in axes)))
 
 
 def members(name: str, what: str = "this call") -> list[int]:
@@ -60,8 +59,8 @@ def group_rank(name: str, what: str = "this call") -> int:
 
 
 def group_size(name: str, what: str = "this call") -> int:
-    degrees = current(what).layout.degrees()
-    return prod(degrees[axis] for axis in GROUP_AXES[name])
+    layout = current(what).layout
+    return prod(getattr(layout, axis) for axis in GROUP_AXES[name])
 
 
 def process_group(name: str, what: str = "this call") -> ProcessGroup:

@@ -1,8 +1,8 @@
-"""The named layout pp × dp_replicate × dp_shard × tp, and the order global ranks walk it in.
+"""The named layout pp × dp_replicate × dp_shard × cp × tp, and the order global ranks walk it in.
 
 The order is SMP's `placement_strategy`: three letters, outermost first, D for
 the data-parallel ranks (replicas, then ZeRO partition groups inside them), P
-for pipeline stages and T for tensor parallelism. The default "DPT" (SMP's
+for pipeline stages and T for tensor parallelism, with context parallelism's cp just outside tp. The default "DPT" (SMP's
 `cluster`) makes tensor-parallel groups consecutive ranks (inside a node), a
 model replica's pipeline stages their neighbours, and only the data-parallel
 traffic spans the ranks farthest apart, as SMP numbers them. Pure: no torch.distributed.
@@ -16,9 +16,10 @@ from typing import Any
 
 from .cluster import Cluster
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-# The axes each placement letter stands for, outermost first.
-PLACEMENT_AXES = {"D": ("dp_replicate", "dp_shard"), "P": ("pp",), "T": ("tp",)}
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The axes each placement letter stands for, outermost first. cp (context parallelism) sits next to tp: after
+# tensor parallelism its ring or all-to-all is the heaviest traffic, kept inside a node where it fits.
+PLACEMENT_AXES = {"D": ("dp_replicate", "dp_shard"), "P": ("pp",), "T": ("cp", "tp")}
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     placement: str = "DPT"  # the letters D, P, T, outermost first
+    cp: int = 1  # context parallelism: ranks each sequence is split over
 
     def __post_init__(self) -> None:
         if sorted(self.placement) != sorted(PLACEMENT_AXES):
@@ -47,19 +49,21 @@ class Layout:
         return {axis: strides[axis] for axis in AXES}
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def shape(self) -> tuple[int, ...]:
+        """The degrees of `degrees()`, in order."""
+        return tuple(self.degrees().values())
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     def degrees(self) -> dict[str, int]:
-        return dict(zip(AXES, self.shape))
+        """Every axis's degree; cp only where context parallelism is on, so layouts without it read as before."""
+        return {axis: getattr(self, axis) for axis in AXES if axis != "cp" or self.cp > 1}
 
     def coords(self, rank: int) -> dict[str, int]:
         """Index of `rank` along every axis."""
@@ -69,7 +73,7 @@ class Layout:
         return sum(coords[axis] * stride for axis, stride in self.strides().items())
 
     def mesh_ranks(self) -> list:
-        """The global ranks as nested lists indexed [pp][dp_replicate][dp_shard][tp]: a DeviceMesh's layout."""
+        """The global ranks as nested lists indexed [pp][dp_replicate][dp_shard][cp][tp]: a DeviceMesh's layout."""
         def nest(axes: tuple[str, ...], base: int) -> Any:
             if not axes:
                 return base

@@ -80,20 +80,29 @@ def _hugging_face_family(model: nn.Module) -> str | None:
     return getattr(config, "model_type", None)
 
 
-def unsplittable_reason(model: nn.Module) -> str | None:
-    """Why context parallelism cannot split `model`'s attention, or None if it can."""
-    if _hugging_face_family(model) in HF_FAMILIES or any(type(m) in _USER_CLASSES for m in model.modules()):
-        return None
+def _heads(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+
+
+def unsplittable_reason(model: nn.Module, mode: Mode = "ring", degree: int = 1) -> str | None:
+    """Why context parallelism of `degree` in `mode` cannot split `model`'s attention, or None if it can."""
     family = _hugging_face_family(model)
-    kind = f"Hugging Face model type {family!r}" if family else f"model {type(model).__name__}"
-    return (f"context parallelism cannot split the attention of {kind}: it splits Hugging Face "
-            f"{', '.join(HF_FAMILIES)} attention, and a module class marked @context_parallel_attention whose forward "
-            "calls shardwise.parallel.context.attention")
+    if family not in HF_FAMILIES and not any(type(m) in _USER_CLASSES for m in model.modules()):
+        kind = f"Hugging Face model type {family!r}" if family else f"model {type(model).__name__}"
+        return (f"context parallelism cannot split the attention of {kind}: it splits Hugging Face "
+                f"{', '.join(HF_FAMILIES)} attention, and a module class marked @context_parallel_attention whose "
+                "forward calls shardwise.parallel.context.attention")
+    heads = _heads(model)
+    if mode == "all_to_all" and heads and heads % degree:
+        return (f"context_parallel_mode all_to_all splits attention heads over context_parallel_degree {degree}, "
+                f"and {type(model).__name__} has {heads}: choose a degree dividing {heads}, or mode ring")
+    return None
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, mode: Mode) -> nn.Module:
     """Split every attention of `model` over `group`; feed it `shard_batch`'s inputs and train on `sequence_loss`."""
-    reason = unsplittable_reason(model)
+    reason = unsplittable_reason(model, mode, dist.get_world_size(group))
     if reason:
         raise ValueError(reason)
     settings = ContextSettings(group, mode)

@@ -1,0 +1,74 @@
+"""Context parallelism's config keys, layout axis and errors: each bad input gets its one-line message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.config.decisions import Decisions
+from shardwise.config.layout import layout_problems
+from shardwise.config.validate import config_problems
+from shardwise.config.layout import validate
+from shardwise.errors import ConfigError
+from shardwise.parallel.context import shard_batch, unsplittable_reason
+from shardwise.topology import Cluster
+from test_context_parallel import tiny
+
+
+def _layout(cluster: Cluster = Cluster(1, 8), **keys):
+    config, problems = config_problems(keys)
+    assert not problems, problems
+    return config, *layout_problems(config, cluster)
+
+
+def test_cp_is_an_axis_next_to_tp_and_the_rest_is_data_parallelism():
+    config, layout, problems = _layout(context_parallel_degree=2, tensor_parallel_degree=2)
+    assert not problems and (layout.cp, layout.tp, layout.dp, layout.world_size) == (2, 2, 2, 8)
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # neighbours of the tp groups, inside a node
+    decisions = Decisions(config, layout)
+    assert (decisions.context_parallel, decisions.context_parallel_degree, decisions.context_parallel_mode) == \
+        (True, 2, "ring")
+
+
+def test_a_degree_that_does_not_divide_the_world_is_refused():
+    _, layout, problems = _layout(context_parallel_degree=3, tensor_parallel_degree=2)
+    assert layout is None
+    assert [str(p) for p in problems] == [
+        "context_parallel_degree=3: must divide the 4 ranks left by tensor and pipeline parallelism "
+        "(world / (tensor_parallel_degree × pipeline_parallel_degree)): every sequence is split over cp ranks and "
+        "the rest is data parallelism; fix: use a divisor of 4: 1, 2, 4"]
+
+
+def test_an_unknown_mode_is_refused():
+    _, problems = config_problems({"context_parallel_mode": "tree"})
+    assert [str(p) for p in problems] == ["context_parallel_mode='tree': input should be 'ring' or 'all_to_all'; "
+                                          "fix: use one of 'ring' or 'all_to_all'"]
+
+
+def test_the_runtime_refuses_cp_until_it_splits_a_steps_batch():
+    with pytest.raises(ConfigError, match=r"context_parallel_degree=2: this feature is not available yet"):
+        validate({"context_parallel_degree": 2}, Cluster(1, 4))
+    assert validate({"context_parallel_degree": 1, "context_parallel_mode": "all_to_all"}, Cluster(1, 4))[1].cp == 1
+
+
+def test_all_to_all_with_heads_the_degree_does_not_divide_is_refused():
+    assert unsplittable_reason(tiny("llama"), "all_to_all", 3) == (
+        "context_parallel_mode all_to_all splits attention heads over context_parallel_degree 3, and "
+        "LlamaForCausalLM has 4: choose a degree dividing 4, or mode ring")
+    assert unsplittable_reason(tiny("llama"), "ring", 3) is None
+    assert unsplittable_reason(tiny("gpt2"), "all_to_all", 4) is None
+
+
+def test_a_model_whose_attention_cannot_be_split_is_named():
+    assert unsplittable_reason(nn.Sequential(nn.Linear(2, 2))) == (
+        "context parallelism cannot split the attention of model Sequential: it splits Hugging Face gpt2, llama, "
+        "mistral, qwen2 attention, and a module class marked @context_parallel_attention whose forward calls "
+        "shardwise.parallel.context.attention")
+
+
+def test_a_sequence_the_degree_does_not_split_is_refused():
+    with pytest.raises(ValueError, match=r"^sequence length 12 does not split into 2 x context_parallel_degree = 8 "
+                                         r"equal chunks: pad sequences to a multiple of 8$"):
+        shard_batch(torch.zeros(1, 12, dtype=torch.long), 0, 4)
