@@ -84,7 +84,8 @@ class Decisions:
     def materialises_per_unit(self, meta_built: bool) -> bool:
         """A meta-built model is materialised one sharding unit at a time, right before FSDP2 shards it
         (ZeRO-2/3 and MiCS without tensor parallelism, which needs the whole layer placed to split it)."""
-        return meta_built and self.zero_stage >= 2 and not self.tensor_parallel and not self.pipelining
+        return (meta_built and self.zero_stage >= 2 and not self.tensor_parallel and not self.pipelining
+                and not self.expert_parallel)  # experts are split before sharding, from the placed model
 
     def wrapping(self, trains: bool = True) -> Wrapping:
         """`trains`: the part has parameters to train (a frozen teacher has none: nothing to synchronise)."""
@@ -139,6 +140,34 @@ class Decisions:
     def hybrid_sharding(self) -> bool:
         """Several partition groups reduced by FSDP2's own 2-D hybrid sharding (under a pipeline)."""
         return self.wrapping() is Wrapping.SHARDED and self.layout.dp_replicate > 1 and self.cross_group is None
+
+    @property
+    def context_parallel_degree(self) -> int:
+        """Ranks every sequence is split over: the layout's cp axis (config/context.py)."""
+        return self.layout.cp
+
+    @property
+    def context_parallel(self) -> bool:
+        return self.layout.cp > 1
+
+    @property
+    def context_parallel_mode(self) -> str:
+        """'ring' or 'all_to_all' (parallel/context/)."""
+        return self.config.context_parallel_mode
+
+    @property
+    def expert_parallel_degree(self) -> int:
+        """Ranks each MoE layer's experts are split over, borrowed from the sharding group (config/experts.py)."""
+        return self.config.expert_parallel_degree
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.expert_parallel_degree > 1
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks ZeRO shards each expert share over: what the sharding group has left beside `ep`."""
+        return self.layout.dp_shard // self.expert_parallel_degree
 
     @property
     def context_parallel_degree(self) -> int:

@@ -65,6 +65,10 @@ class ShardwiseConfig(SmpOnlySettings):
         "more is plain ZeRO-3.")
     shard_optimizer_state: bool = Field(False, description="ZeRO-1: shard optimizer states over data-parallel ranks.")
     tensor_parallel_degree: int = Field(1, ge=1, description="Ranks inside a node that split each layer.")
+    expert_parallel_degree: int = Field(
+        1, ge=1, description="Mixture of experts (SMP v2's name): ranks each MoE layer's experts are split over, "
+        "borrowed from the sharding group (dp_shard); tokens reach their experts by all-to-all. Must divide the "
+        "sharding group and the model's number of experts. 1 = off.")
     sequence_parallel: bool = Field(False, description="With tensor parallelism, shard the activations between the "
                                     "split layers (norms, dropouts, residual stream) over the sequence.")
     context_parallel_degree: int = Field(

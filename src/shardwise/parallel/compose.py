@@ -29,6 +29,8 @@ from ..config.schema import ShardwiseConfig
 from ..runtime.mesh import ParallelMesh
 from ..config.decisions import Decisions, PrecisionMode
 from . import precision
+from .experts import (apply_expert_parallel, expert_parallel_modules, has_experts,
+                      use_global_load_balancing)
 from .materialize import has_meta, mesh_device, place, unit_materialiser
 from .pipeline import GraphPipeline, PipelineSettings, apply_pipeline, has_block_list
 from .recompute import apply_activation_checkpointing, checkpoint_in_groups, checkpointed, group_size
@@ -58,6 +60,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
         return wrap(module, before_shard=unit_materialiser(module, mesh))
     place(module, mesh)
     split(module, [module], tp_plan)
+    split_experts(module, mesh, decisions)
     return wrap(module)
 
 
@@ -130,8 +133,28 @@ def wrap_part(part: nn.Module, *, mesh: ParallelMesh, decisions: Decisions, resh
                                    cross_group=decisions.cross_group, hybrid=decisions.hybrid_sharding,
                                    offload=_host_offload(mesh, decisions), autocast=autocast,
                                    whole_steps_only=config.non_finite_gradients != "off", ddp_options=ddp_options,
-                                   binding=_zero1(mesh, decisions) if plain_zero1 else None)
+                                   binding=_zero1(mesh, decisions) if plain_zero1 else None,
+                                   separately=_expert_shares(part, mesh, decisions))
     return strategy
+
+
+def split_experts(module: nn.Module, mesh: ParallelMesh, decisions: Decisions) -> None:
+    """Expert parallelism: each experts module split over `ep`. A model with experts computes its load-balancing
+    loss over the global batch whenever data-parallel ranks split it, as one process would."""
+    data = mesh["rdp"].get_group() if mesh.layout.dp > 1 else None
+    if decisions.expert_parallel:
+        apply_expert_parallel(module, mesh["ep"], data)
+    elif data is not None and has_experts(module):
+        use_global_load_balancing(module, data)
+
+
+def _expert_shares(part: nn.Module, mesh: ParallelMesh, decisions: Decisions) -> list[tuple[nn.Module, Any]]:
+    """Each expert share with the ranks that hold copies of it, which shard and reduce it apart from the rest
+    (over the replicas too where FSDP2's hybrid sharding reduces across them; else MiCS's reduction does)."""
+    if not decisions.expert_parallel:
+        return []
+    ranks = mesh["expert_dp"] if decisions.hybrid_sharding else mesh["expert_shard"]
+    return [(share, ranks) for share in expert_parallel_modules(part)]
 
 
 def _host_offload(mesh: ParallelMesh, decisions: Decisions) -> Optional[HostOffload]:

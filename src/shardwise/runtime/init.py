@@ -130,7 +130,8 @@ def init(config: ConfigLike = None) -> ShardwiseConfig:
     owns = _start_process_group(device)
     check_same_config(resolved, device)
     warn_ineffective(ineffective_settings(resolved) + ineffective_on_device(resolved, device.type))
-    mesh = ParallelMesh(device, layout, Decisions(resolved, layout).secondary_partition)
+    decisions = Decisions(resolved, layout)
+    mesh = ParallelMesh(device, layout, decisions.secondary_partition, decisions.expert_parallel_degree)
     hang_report.apply_timeout(resolved.collective_timeout_seconds)
     hang_report.start(dist.get_rank(), resolved.collective_timeout_seconds)
     state.set_current(state.Runtime(config=resolved, cluster=cluster, layout=layout, mesh=mesh, device=device,

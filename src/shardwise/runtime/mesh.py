@@ -1,6 +1,8 @@
 """The named mesh every technique receives: the 4-D (pp, dp_replicate, dp_shard, tp) mesh plus
 its two flattened data-parallel views, `rdp` (replicas × partition) and `dp` (rdp × tp, as SMP counts it),
-and under ZeRO++ hpZ `hpz`: each sharding group cut into secondary groups of neighbouring ranks.
+under ZeRO++ hpZ `hpz`: each sharding group cut into secondary groups of neighbouring ranks, and under expert
+parallelism `ep`, `expert_shard` and `expert_dp`: each sharding group cut into the ranks that split the experts
+and those that shard one share, and the copies of a share over the replicas too.
 
 Global ranks sit on the mesh as the layout places them (SMP's placement_strategy),
 so every group the mesh makes holds the ranks `Layout.groups` names."""
@@ -15,9 +17,10 @@ from ..torch_internals import clear_dtensor_caches, flatten_mesh, unflatten_mesh
 
 
 class ParallelMesh:
-    def __init__(self, device: torch.device, layout: Layout, secondary: int = 0):
-        """`secondary`: ZeRO++ hpZ's group size (config/decisions.py's `secondary_partition`), 0 for none."""
-        self.layout, self.secondary = layout, secondary
+    def __init__(self, device: torch.device, layout: Layout, secondary: int = 0, experts: int = 1):
+        """`secondary`: ZeRO++ hpZ's group size (config/decisions.py's `secondary_partition`), 0 for none;
+        `experts`: the expert-parallel degree (`expert_parallel_degree`), 1 for none."""
+        self.layout, self.secondary, self.experts = layout, secondary, experts
         # The rank map is bookkeeping, on the CPU whatever the default device (as init_device_mesh keeps it).
         ranks = torch.tensor(layout.mesh_ranks(), dtype=torch.int, device="cpu")
         self.world = DeviceMesh(device.type, ranks, mesh_dim_names=AXES)
@@ -31,9 +34,19 @@ class ParallelMesh:
                                    ("hpz_replicate", "hpz"))
             self._flat["hpz"] = split["hpz_replicate", "hpz"]
 
+        if experts > 1:
+            # dp_shard = expert_shard × ep, ep fastest (neighbouring ranks, as torchtitan splits it): `ep` splits
+            # the experts, `expert_shard` shards one share, (dp_replicate, expert_shard) holds its copies
+            split = unflatten_mesh(self.world, "dp_shard", (layout.dp_shard // experts, experts),
+                                   ("expert_shard", "ep"))
+            self._flat.update(ep=split["ep"], expert_shard=split["expert_shard"],
+                              expert_dp=split["dp_replicate", "expert_shard"])
+
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         """A sub-mesh by axis name(s), e.g. mesh["tp"], mesh["dp_replicate", "dp_shard"], mesh["rdp"]; mesh["hpz"]
-        is 2-D, (hpz_replicate, hpz), the secondary groups of this rank's sharding group (only under hpZ)."""
+        is 2-D, (hpz_replicate, hpz), the secondary groups of this rank's sharding group (only under hpZ); with
+        expert parallelism mesh["ep"] splits the experts, mesh["expert_shard"] shards each share and the 2-D
+        mesh["expert_dp"], (dp_replicate, expert_shard), holds all its copies."""
         if isinstance(names, str) and names in self._flat:
             return self._flat[names]
         return self.world[names]

@@ -11,7 +11,7 @@ Everything here is given as plain values by `compose`: nothing reads the config.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -44,7 +44,8 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, how: Wrapping, cas
                         offload: Optional[HostOffload] = None, whole_steps_only: bool = False,
                         autocast: Optional[Callable[[], ContextManager]] = None,
                         binding: Optional[OptimizerBinding] = None, before_shard: Optional[Callable[[nn.Module], None]] = None,
-                        ddp_options: Optional[Mapping[str, Any]] = None) -> Strategy:
+                        ddp_options: Optional[Mapping[str, Any]] = None,
+                        separately: Sequence[tuple[nn.Module, DeviceMesh]] = ()) -> Strategy:
     """Wrap `model` over the data-parallel axes of `mesh` as `how` says (config/decisions.py).
 
     `cast`: the dtype FSDP2's policy computes in (None: as stored). `reshard_after_forward=False`
@@ -58,11 +59,13 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, how: Wrapping, cas
     every unit (blocks of at least `auto_wrap_min_params` parameters where the model names none), then
     the root, right before sharding it (delayed initialisation materialises them there). `ddp_options` go to
     torch's DistributedDataParallel where `how` is DDP (SMP's DistributedModel arguments: bucket_cap_mb, ...).
+    `separately`: submodules sharded first, each over its own mesh (expert shares over the ranks holding copies of
+    them); the units and the root then leave their parameters to them.
     """
     options = {"autocast": autocast, "binding": binding}
     if how is Wrapping.SHARDED:
         return _shard(model, mesh, cast, auto_wrap_min_params, reshard_after_forward, cross_group, hybrid, offload,
-                      whole_steps_only, before_shard or (lambda unit: None), options)
+                      whole_steps_only, before_shard or (lambda unit: None), options, separately)
     if how is Wrapping.REPLICATE:
         replicated = replicate(model, mesh=mesh["rdp"], mp_policy=precision.sharded_policy(cast, root=True))
         return Replicated(replicated, model, **options)
@@ -75,9 +78,12 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, how: Wrapping, cas
 def _shard(model: nn.Module, mesh: ParallelMesh, cast: Optional[torch.dtype], auto_wrap_min_params: int,
            reshard_after_forward: Union[bool, int], cross_group: Optional[CrossGroupSettings], hybrid: bool,
            offload: Optional[HostOffload], whole_steps_only: bool, prepare: Callable[[nn.Module], None],
-           options: dict[str, Any]) -> Strategy:
+           options: dict[str, Any], separately: Sequence[tuple[nn.Module, DeviceMesh]]) -> Strategy:
     dp_mesh = _dp_mesh(mesh, hybrid)
     policy = sharded_offload_policy(offload)
+    for part, own_mesh in separately:
+        fully_shard(part, mesh=own_mesh, reshard_after_forward=bool(reshard_after_forward),
+                    mp_policy=precision.sharded_policy(cast, root=False), offload_policy=policy)
     units = sharding_units(model, auto_wrap_min_params)
     secondary = not isinstance(reshard_after_forward, bool)
     with reshard_after_forward_over(mesh["hpz"]) if secondary else contextlib.nullcontext():

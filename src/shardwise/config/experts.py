@@ -1,0 +1,36 @@
+"""expert_parallel_degree's rules on a layout: expert parallelism borrows its ranks from the sharding group.
+
+As torchtitan does, the `ep` ranks of a mixture-of-experts layer are a slice of `dp_shard` (dp_shard =
+expert-sharding × ep): each expert share is then sharded by ZeRO over the dp_shard / ep ranks left, and its
+gradients are reduced over those and the replicas only. The rule about the model (its number of experts, or
+having experts at all) is checked where the model is known (parallel/experts/).
+"""
+
+from __future__ import annotations
+
+from ..errors import Problem
+from ..topology import Layout
+from .schema import ShardwiseConfig
+
+KEY = "expert_parallel_degree"
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def expert_problems(config: ShardwiseConfig, layout: Layout) -> list[Problem]:
+    """What `expert_parallel_degree` breaks on `layout`."""
+    ep, shard = config.expert_parallel_degree, layout.dp_shard
+    if ep == 1:
+        return []
+    if shard == 1:
+        return [Problem(KEY, ep, "borrows its ranks from the sharding group, and this config shards over none "
+                        "(ZeRO-2/3 shard; DDP and ZeRO-1 do not)",
+                        f"set sharded_data_parallel_degree (or zero_stage 2 or 3) so that {ep} divides the "
+                        "sharding group")]
+    if shard % ep:
+        return [Problem(KEY, ep, f"must divide the sharding group's {shard} ranks it borrows from "
+                        "(sharded_data_parallel_degree, or the whole data-parallel group under zero_stage 2/3)",
+                        f"use a divisor of {shard}: {_divisors(shard)}")]
+    return []

@@ -1,0 +1,100 @@
+"""Expert parallelism through the seed's API: `expert_parallel_degree` trains as one process with ZeRO.
+
+Tiny Mixtral and Qwen3-MoE (tiny_moe.py) train 3 AdamW steps on 4 gloo ranks through `sw.init`,
+`sw.DistributedModel`, `sw.DistributedOptimizer`, `@sw.step` with `model.backward` and
+`sw.data_loader`, with EP 2 and 4 borrowed from ZeRO-3's sharding group (each expert share then
+sharded over the ranks left), EP 2 under ZeRO-2 and under MiCS (two partition groups of two, whose
+cross-group reduction carries the experts' gradients too), and with no EP under DDP, where the
+load-balancing loss is still the global batch's. Each matches one process on the same global batches:
+the mean loss per step, every rank's load-balancing loss, and every whole parameter within 1e-5.
+The config's rules are checked with their messages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.config import ConfigError
+from shardwise.config.layout import layout_for
+from shardwise.config import parse_config
+from shardwise.testing import run_distributed
+from shardwise.topology import Cluster
+from test_expert_parallel import ROWS, STEPS, TOLERANCE, WORLD, _losses, _model, _optimizer, reference
+from tiny_models import dataset, relative_error
+
+MODES = {
+    "zero3-ep2": {"sharded_data_parallel_degree": WORLD, "expert_parallel_degree": 2},
+    "zero3-ep4": {"sharded_data_parallel_degree": WORLD, "expert_parallel_degree": 4},
+    "zero2-ep2": {"zero_stage": 2, "sharded_data_parallel_degree": WORLD, "expert_parallel_degree": 2},
+    "mics-ep2": {"sharded_data_parallel_degree": 2, "expert_parallel_degree": 2},
+    "ddp-no-ep": {},
+}
+CASES = [("mixtral", mode) for mode in MODES] + [("qwen3_moe", "zero3-ep2"), ("qwen3_moe", "zero3-ep4")]
+
+
+def train(family: str, config: dict) -> dict:
+    """One rank of the seed's loop on an MoE model."""
+    sw.init(config)
+    model = sw.DistributedModel(_model(family))
+    optimizer = sw.DistributedOptimizer(_optimizer(model))
+
+    @sw.step
+    def train_step(model, inputs, targets):
+        loss, balance = _losses(family, model, inputs, targets)
+        model.backward(loss)
+        return loss, balance.detach()
+
+    losses, aux = [], []
+    loader = sw.data_loader(dataset("llama", STEPS * ROWS * sw.dp_size()), batch_size=ROWS, shuffle=False)
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        loss, balance = train_step(model, inputs, targets)
+        losses.append(loss.reduce_mean().item())  # this rank's
+        aux.append(balance.reduce_mean().item())
+        optimizer.step()
+    return {"losses": losses, "aux": aux, "state": model.full_state_dict()}
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict:
+    return {(family, mode): run_distributed(train, WORLD, family, MODES[mode], timeout=600) for family, mode in CASES}
+
+
+@pytest.mark.parametrize("family, mode", CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def test_trains_as_one_process(trained, family, mode):
+    want = reference(family)
+    ranks = trained[(family, mode)]
+    mean = [sum(step) / len(ranks) for step in zip(*(got["losses"] for got in ranks))]
+    assert mean == pytest.approx(want["losses"], rel=TOLERANCE)
+    for got in ranks:
+        assert got["aux"] == pytest.approx(want["aux"], rel=TOLERANCE)
+        assert got["state"].keys() == want["state"].keys()
+        for name, tensor in want["state"].items():
+            assert relative_error(got["state"][name], tensor) <= TOLERANCE, name
+
+
+def _message(config: dict, world: int = 4) -> str:
+    with pytest.raises(ConfigError) as info:
+        layout_for(parse_config(config), Cluster(1, world))
+    return str(info.value)
+
+
+def test_a_degree_that_does_not_divide_the_sharding_group_is_refused():
+    assert _message({"sharded_data_parallel_degree": 4, "expert_parallel_degree": 3}) == (
+        "invalid shardwise config: expert_parallel_degree=3: must divide the sharding group's 4 ranks it borrows "
+        "from (sharded_data_parallel_degree, or the whole data-parallel group under zero_stage 2/3); fix: use a "
+        "divisor of 4: 1, 2, 4")
+
+
+def test_expert_parallelism_without_sharding_is_refused():
+    assert _message({"expert_parallel_degree": 2}) == (
+        "invalid shardwise config: expert_parallel_degree=2: borrows its ranks from the sharding group, and this "
+        "config shards over none (ZeRO-2/3 shard; DDP and ZeRO-1 do not); fix: set sharded_data_parallel_degree "
+        "(or zero_stage 2 or 3) so that 2 divides the sharding group")
+
+
+def test_the_degree_must_be_a_positive_integer():
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree=0: "):
+        parse_config({"expert_parallel_degree": 0})
