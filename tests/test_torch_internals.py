@@ -7,13 +7,16 @@ mean anything run on two.
 """
 
 import inspect
+import io
 import json
+import pickle
 import os
 import subprocess
 import sys
 import textwrap
 import time
 from datetime import timedelta
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -30,8 +33,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from shardwise.parallel.pipeline.schedule import EvalSafeStage
 from shardwise.testing import run_distributed
 from shardwise.torch_internals import (
+    ATTENTION_KERNELS,
     FakeTensorMode,
+    HigherOrderOperator,
+    OpOverload,
+    OpOverloadPacket,
     TorchDispatchMode,
+    all_gather_base_op,
     all_reduce_sum,
     all_to_all_autograd,
     at_backward_end,
@@ -43,12 +51,17 @@ from shardwise.torch_internals import (
     flatten_mesh,
     flight_recorder_trace,
     foreach,
+    functional_collective_ops,
+    grad_scaler_state,
+    layout_unpickler,
     process_groups,
+    reduce_scatter_base_op,
     replicate,
     reshard_after_forward_over,
     ring_attention,
     ring_attention_backward,
     set_group_timeout,
+    storage_id,
     strided_shard,
     style_input_fn,
     style_output_fn,
@@ -62,6 +75,7 @@ from shardwise.torch_internals import (
     unscale_and_check_,
     use_tensor_tables,
     version,
+    view_base,
 )
 
 
@@ -146,6 +160,18 @@ def test_version_of_a_dtensor_counts_writes_through_it_not_its_local_tensor(mesh
     assert version(param) == before + 1
     assert version(param.to_local()) == local_before
     assert param.to_local().eq(1).all()
+
+
+def test_storage_id_is_shared_by_views_and_view_base_leads_back_to_the_viewed_tensor():
+    """The graph cut counts each block of saved memory once, and a parameter seen through a view as no activation,
+    on fake tensors."""
+    with FakeTensorMode():
+        whole, other = torch.empty(4, 4), torch.empty(4, 4)
+        view = whole[1:]
+        assert storage_id(view) == storage_id(whole) != storage_id(other)
+        assert view_base(view) is whole and view_base(whole) is whole
+    weight = nn.Parameter(torch.ones(2, 2))
+    assert view_base(weight.t()) is weight and view_base(weight.t()).is_leaf
 
 
 # ----- DTensor and DeviceMesh -----
@@ -334,6 +360,29 @@ def test_sharded_grad_scaler_unscales_through_its_overridable_hook(mesh):
     assert calls == [torch.device("cpu")]
 
 
+def _recorded(scaler: torch.amp.GradScaler, steps: int) -> list[float]:
+    """The scale after each of `steps` finite steps."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scales = []
+    for _ in range(steps):
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_grad_scaler_state_is_what_a_grad_scaler_saves_and_restarts_its_growth_count():
+    """precision.LossScaler loads it to start a scale rule: the growth count starts again from 0."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=100)
+    _recorded(scaler, 2)
+    assert scaler.state_dict()["_growth_tracker"] == 2
+    assert set(scaler.state_dict()) == set(grad_scaler_state(4.0, 2.0, 0.5, 3))
+    scaler.load_state_dict(grad_scaler_state(4.0, 2.0, 0.5, 3))
+    assert _recorded(scaler, 3) == [4.0, 4.0, 8.0]
+
+
 # ----- pipelining -----
 
 def _v_schedule(stage_class: type, train: bool) -> None:
@@ -470,6 +519,58 @@ def test_torch_dispatch_mode_sees_every_aten_call():
     with Recording() as recording:
         torch.ones(2).add_(1)
     assert torch.ops.aten.add_.Tensor in recording.ops
+
+
+def _dispatched(run: Callable[[], Any]) -> list[Any]:
+    """The op packets `run` dispatches, in order."""
+    ops = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        run()
+    return ops
+
+
+def test_collectives_dispatch_as_the_ops_observe_comms_names(mesh):
+    """observe/comms.py tells collectives by these op names and the functional collectives' namespace."""
+    gathered, scattered = torch.zeros(2), torch.zeros(1)
+    assert all_gather_base_op in _dispatched(lambda: dist.all_gather_into_tensor(gathered, torch.ones(2)))
+    assert reduce_scatter_base_op in _dispatched(lambda: dist.reduce_scatter_tensor(scattered, torch.ones(1)))
+    functional = _dispatched(lambda: all_reduce_sum(torch.ones(2), mesh.get_group()))
+    assert functional_collective_ops.all_reduce in functional  # its op's namespace is the one comms.py looks for
+    assert functional_collective_ops.all_reduce.default.namespace == functional_collective_ops.name
+
+
+# ----- selective recompute -----
+
+def test_attention_kernels_hold_what_sdpa_runs_and_op_classes_tell_overloads_from_packets():
+    q = torch.randn(1, 2, 4, 8)
+    kernels = _dispatched(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in ATTENTION_KERNELS
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in kernels
+    assert all(isinstance(op, OpOverload) for op in ATTENTION_KERNELS)
+    assert isinstance(torch.ops.aten.mm, OpOverloadPacket) and not isinstance(torch.ops.aten.mm, OpOverload)
+    assert isinstance(torch.ops.higher_order.cond, HigherOrderOperator)
+    assert isinstance(functional_collective_ops.all_reduce.default, OpOverload)
+
+
+# ----- checkpoint metadata -----
+
+def test_layout_unpickler_is_the_one_function_a_pickled_layout_names():
+    """checkpoint/storage.py's metadata unpickler lets it, and nothing else of torch.serialization, through."""
+    found = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            found.append((module, name))
+            return super().find_class(module, name)
+
+    assert Recording(io.BytesIO(pickle.dumps(torch.sparse_coo))).load() is torch.sparse_coo
+    assert found == [(layout_unpickler.__module__, layout_unpickler.__name__)]
 
 
 # ----- context parallelism -----

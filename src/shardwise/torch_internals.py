@@ -47,6 +47,10 @@ from torch.distributed.tensor.experimental._context_parallel import _attention a
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+# The classes of torch.ops' entries: selective recompute tells an op overload (what its policy lists) from its
+# packet. torch.ops hands them out but names no class publicly; a public torch.ops type module would replace them.
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+
 # Tensors without data that models treat as while torch traces them (Hugging Face skips data-dependent checks on
 # them), for the pipeline's module-graph cut (parallel/pipeline/graph_cut.py). No public equivalent in 2.13.
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -60,25 +64,70 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 __all__ = [
-    "FakeTensorMode", "all_reduce_sum", "all_to_all_autograd", "at_backward_end", "children_table",
-    "flash_attention_cpu",
-    "flash_attention_cpu_backward", "foreach", "ring_attention", "ring_attention_backward",
-    "clear_dtensor_caches", "drop_forward_hooks", "flatten_mesh",
-    "flight_recorder_trace", "process_groups", "replicate", "reshard_after_forward_over", "set_group_timeout",
-    "strided_shard", "style_input_fn", "style_output_fn", "TorchDispatchMode",
-    "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
-    "unflatten_mesh", "unscale_and_check_", "version",
+    "all_gather_base_op", "all_reduce_sum", "all_to_all_autograd", "at_backward_end", "ATTENTION_KERNELS",
+    "children_table", "clear_dtensor_caches", "drop_forward_hooks", "FakeTensorMode", "flash_attention_cpu",
+    "flash_attention_cpu_backward", "flatten_mesh", "flight_recorder_trace", "foreach", "functional_collective_ops",
+    "grad_scaler_state", "HigherOrderOperator", "layout_unpickler", "OpOverload", "OpOverloadPacket",
+    "process_groups", "reduce_scatter_base_op", "replicate", "reshard_after_forward_over", "ring_attention",
+    "ring_attention_backward", "set_group_timeout", "storage_id", "strided", "strided_shard", "style_input_fn",
+    "style_output_fn", "tensor_tables", "TorchDispatchMode", "tree_flatten", "tree_leaves", "tree_map",
+    "tree_map_only", "tree_unflatten", "unflatten_mesh", "unscale_and_check_", "use_tensor_tables", "version",
+    "view_base",
 ]
 
 
 # torch's multi-tensor ops: one call runs an op over a whole list of tensors (DTensors included), as torch.optim's
-# foreach path does; SMP's FusedLamb and FusedNovoGrad, and DeepSpeed's Lamb, step with them. No public equivalent in 2.13 (only
-# torch.optim's built-in optimizers reach them); a public torch.foreach module would replace them.
+# foreach path does; SMP's FusedLamb and FusedNovoGrad, and DeepSpeed's Lamb, step with them. No public equivalent
+# in 2.13 (only torch.optim's built-in optimizers reach them); a public torch.foreach module would replace them.
 foreach = SimpleNamespace(
     norm=torch._foreach_norm, sqrt_=torch._foreach_sqrt_, copy_=torch._foreach_copy_,
     add_=torch._foreach_add_, sub_=torch._foreach_sub_, mul_=torch._foreach_mul_, div_=torch._foreach_div_,
     add=torch._foreach_add, sqrt=torch._foreach_sqrt, div=torch._foreach_div, addcmul_=torch._foreach_addcmul_,
 )
+
+
+# The ops torch's functional collectives dispatch to (DTensor's redistributions, all_to_all_autograd), whose
+# namespace is private; selective recompute keeps their outputs, observe/comms.py logs them. No public namespace.
+functional_collective_ops = torch.ops._c10d_functional
+
+# c10d's ops behind all_gather_into_tensor and reduce_scatter_tensor, under their private names as they dispatch:
+# observe/comms.py tells collectives by op name. Public only as the functions that call them.
+all_gather_base_op = torch.ops.c10d._allgather_base_
+reduce_scatter_base_op = torch.ops.c10d._reduce_scatter_base_
+
+# The attention kernels scaled_dot_product_attention dispatches to (one per backend), whose outputs selective
+# recompute keeps: private aten ops, public only through the function that picks one.
+_aten = torch.ops.aten
+ATTENTION_KERNELS = (
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_fused_attention_overrideable.default,
+)
+
+# The function torch pickles a layout (torch.strided) through, by name: checkpoint/storage.py's metadata unpickler
+# allows it and nothing else of torch.serialization. Public replacement: none (copyreg registers it privately).
+layout_unpickler = torch.serialization._get_layout
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """One number per block of memory, the same for every view into it: tells whether two tensors share memory."""
+    # The storage's C object's address (UntypedStorage._cdata), distinct for meta and fake tensors too, where the
+    # public data_ptr() is 0 for all of them.
+    return tensor.untyped_storage()._cdata
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor `tensor` is a view of (a parameter, for a view of one), or `tensor` itself if it is no view."""
+    # Tensor._base, autograd's own link from a view to its base; no public equivalent.
+    return tensor if tensor._base is None else tensor._base
+
+
+def grad_scaler_state(scale: float, growth_factor: float, backoff_factor: float, growth_interval: int) -> dict:
+    """A GradScaler state dict that starts from `scale` and grows after `growth_interval` finite steps."""
+    # The state dict's private key, the count of finite steps since the scale last grew; public only through
+    # GradScaler's constructor, which a scaler already made cannot rerun.
+    return {"scale": scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval, "_growth_tracker": 0}
 
 
 def at_backward_end(callback: Callable[[], None]) -> None:

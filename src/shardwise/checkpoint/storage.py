@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from ..torch_internals import layout_unpickler
 from .directory import CheckpointError
 
 _DCP_RECORDS = "torch.distributed.checkpoint."
@@ -47,7 +48,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if module == "pathlib" and name in _PATHS:  # the checkpoint_id DCP records
             return super().find_class(module, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):  # how torch pickles a layout: by its name
+        if (module, name) == (layout_unpickler.__module__, layout_unpickler.__name__):  # a layout, by its name
             return super().find_class(module, name)
         if module == "collections" and name == "OrderedDict" or module == "builtins" and name in _BUILTINS:
             return super().find_class(module, name)

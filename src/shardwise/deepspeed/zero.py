@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..runtime import state
+from ..torch_internals import tensor_tables
 
 __all__ = ["Init", "GatheredParameters"]
 
@@ -35,7 +36,7 @@ def _parameters_on_meta() -> Iterator[None]:
     def on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         register(module, name, param)
         if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            tensor_tables(module)[0][name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = on_meta
     try:
@@ -84,7 +85,8 @@ def _registrations(params: list[nn.Parameter]) -> list[tuple[nn.Module, str, nn.
     found = []
     for model in list(state.current().models):
         for module in model.get_module().modules():
-            found += [(module, name, p) for name, p in module._parameters.items() if p is not None and id(p) in wanted]
+            parameters = tensor_tables(module)[0]
+            found += [(module, name, p) for name, p in parameters.items() if p is not None and id(p) in wanted]
     return found
 
 
@@ -107,14 +109,14 @@ class GatheredParameters:
         for module, name, param in _registrations([p for p in self.params if isinstance(p, DTensor)]):
             if id(param) not in whole:
                 whole[id(param)] = nn.Parameter(param.detach().full_tensor(), requires_grad=param.requires_grad)
-            module._parameters[name] = whole[id(param)]
+            tensor_tables(module)[0][name] = whole[id(param)]
             self._swapped.append((module, name, param, whole[id(param)]))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         written: set[int] = set()
         for module, name, sharded, full in self._swapped:
-            module._parameters[name] = sharded
+            tensor_tables(module)[0][name] = sharded
             if self.modifier_rank is not None and exc[0] is None and id(sharded) not in written:
                 written.add(id(sharded))
                 self._write_back(sharded, full)

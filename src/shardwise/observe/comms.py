@@ -22,15 +22,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..torch_internals import TorchDispatchMode, tree_leaves
+from ..torch_internals import (TorchDispatchMode, all_gather_base_op, functional_collective_ops,
+                               reduce_scatter_base_op, tree_leaves)
 
 # op name (c10d's or the functional one's) -> (collective, index of the argument whose bytes count)
 _COLLECTIVES = {
     "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0),
     "all_reduce_coalesced": ("all_reduce", 0),
-    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    all_gather_base_op.__name__: ("all_gather", 0), "allgather_": ("all_gather", 0),
     "allgather_into_tensor_coalesced_": ("all_gather", 0), "allgather_coalesced_": ("all_gather", 0),
-    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    reduce_scatter_base_op.__name__: ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
     "broadcast_": ("broadcast", 0), "broadcast": ("broadcast", 0), "reduce_": ("reduce", 0),
@@ -116,7 +117,7 @@ class CollectiveWatch(TorchDispatchMode):
         if self.track_idle:
             self._note_gap(start)
         out = func(*args, **kwargs)
-        if func.namespace in ("c10d", "_c10d_functional"):
+        if func.namespace in ("c10d", functional_collective_ops.name):
             self._record(func.overloadpacket.__name__, args, kwargs, out, start)
         if self.track_idle:
             self._last_op_end = time.perf_counter()

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ...torch_internals import FakeTensorMode, tree_flatten, tree_map
+from ...torch_internals import FakeTensorMode, storage_id, tree_flatten, tree_map, view_base
 from .partition import min_max_split
 from .placement import placed_on
 from ..stand_in import meta_copy
@@ -110,7 +110,7 @@ def trace_calls(model: nn.Module, inputs: dict[str, Any]) -> tuple[Call, Any]:
         call.output_bytes = call.output_bytes or _tensor_bytes(output)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage, base = tensor.untyped_storage()._cdata, tensor if tensor._base is None else tensor._base
+        storage, base = storage_id(tensor), view_base(tensor)
         weight = base.is_leaf and base.requires_grad  # a parameter (or a view of one): a state, not an activation
         if storage not in seen and stack and not weight:
             seen.add(storage)

@@ -29,15 +29,15 @@ from typing import Any, Callable, ContextManager, Iterator, Union
 import torch
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from ...torch_internals import (ATTENTION_KERNELS, HigherOrderOperator, OpOverload, OpOverloadPacket,
+                                functional_collective_ops)
+
 ContextFn = Callable[[], tuple[ContextManager, ContextManager]]
 Policy = Union[None, str, list, Callable[..., Any]]
 
-_aten, _c10d = torch.ops.aten, torch.ops._c10d_functional
+_aten, _c10d = torch.ops.aten, functional_collective_ops
 MATMUL_OPS = [
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_fused_attention_overrideable.default,
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, *ATTENTION_KERNELS,
     _c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default, _c10d.all_gather_into_tensor.default,
     _c10d.all_to_all_single.default,
 ]
@@ -47,7 +47,7 @@ NAMED = {"matmul": MATMUL_OPS}  # config/strategies.POLICIES, the names the plan
 def checked_policy(policy: Policy) -> Policy:
     """`policy` as torch's selective checkpointing takes it (a list of ops or a policy function), or None;
     a one-line error for anything else."""
-    if policy is None or callable(policy) and not isinstance(policy, torch._ops.OpOverloadPacket):
+    if policy is None or callable(policy) and not isinstance(policy, OpOverloadPacket):
         return policy
     if isinstance(policy, str):
         if policy not in NAMED:
@@ -56,8 +56,8 @@ def checked_policy(policy: Policy) -> Policy:
         return NAMED[policy]
     if isinstance(policy, (list, tuple)):
         for op in policy:
-            if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-                hint = (f"; name an overload, e.g. {op}.default" if isinstance(op, torch._ops.OpOverloadPacket)
+            if not isinstance(op, (OpOverload, HigherOrderOperator)):
+                hint = (f"; name an overload, e.g. {op}.default" if isinstance(op, OpOverloadPacket)
                         else "")
                 raise ValueError(f"checkpointing policy: {op!r} is not an op overload{hint}")
         return list(policy)
