@@ -15,5 +15,6 @@ import yaml
 from shardwise.planner.published import summarize
 
 if __name__ == "__main__":
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parents[1] / "tests" / "planner_published_runs.yaml"
+    default = Path(__file__).parents[1] / "tests" / "planner_published_runs.yaml"
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else default
     print(summarize(yaml.safe_load(path.read_text())).table())

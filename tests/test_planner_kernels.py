@@ -100,3 +100,22 @@ def test_cli_power_limit_and_clock_lower_the_plan(capsys):
     full = best()
     assert best("--power-limit-w", "400") < full
     assert best("--clock-mhz", "1500") < full
+
+
+def test_sharding_under_a_pipeline_reduces_once_per_round():
+    """torch's PipelineStage defers an FSDP2 stage's gradient sync to the round's end and keeps it gathered after
+    backward: ZeRO-2 gathers and reduce-scatters once a round, ZeRO-3 gathers for each warm-up forward and the
+    first backward."""
+    parsed = parse_config({"bf16": True, "pipeline_parallel_degree": 2, "microbatches": 8, "zero_stage": 2,
+                           "sharded_data_parallel_degree": 4})
+    layout = Layout(pp=2, dp_shard=4)
+    params = LLAMA.stage_parameters(2)
+
+    def moved(config, kind):
+        t = predict_step_time(LLAMA, config, layout, NODE, 1, 4096)
+        return sum(c.bytes_per_step for c in t.collectives if kind in c.name)
+
+    assert moved(parsed, "reduce-scatter") == pytest.approx(4 * params)          # fp32, once
+    assert moved(parsed, "all-gather") == pytest.approx(2 * params)              # bf16, once
+    zero3 = parse_config({**parsed.model_dump(exclude_defaults=True), "zero_stage": 3})
+    assert moved(zero3, "all-gather") == pytest.approx((2 + 1) * 2 * params)     # two warm-up forwards, one backward

@@ -1,7 +1,8 @@
 """The planner held against published, measured training runs (tests/planner_published_runs.yaml, each with its
 source and its mapping to a shardwise config). The bounds are what the model achieves, as docs/planner.md
-reports it run by run ("Held against published runs"); the issue's goal (every run within ±15 %, Spearman
-ρ ≥ 0.8 on MFU, every trained run predicted to fit) is not met yet, and these say by how much."""
+reports it run by run ("Held against published runs"); of the issue's goal (every run within ±15 %, Spearman
+ρ ≥ 0.8 on MFU, every trained run predicted to fit) the rank correlation is met, and these say by how much
+the rest is not."""
 
 from pathlib import Path
 
@@ -53,10 +54,10 @@ def test_spearman_ranks():
 
 def test_the_comparison_as_measured(summary):
     print("\n" + summary.table())
-    assert summary.mean_absolute_error < 0.25
-    assert summary.mfu_rank_correlation > 0.75
-    assert summary.within(0.15) >= 12
-    assert summary.within(0.25) >= 18
+    assert summary.mean_absolute_error < 0.21
+    assert summary.mfu_rank_correlation > 0.85
+    assert summary.within(0.15) >= 14
+    assert summary.within(0.25) >= 20
 
 
 def test_megatron_weak_scaling_within_15_percent(summary):
@@ -66,8 +67,8 @@ def test_megatron_weak_scaling_within_15_percent(summary):
     assert all(abs(c.error) <= 0.15 for c in megatron), [(c.name, f"{c.error:+.0%}") for c in megatron]
 
 
-def test_every_run_is_predicted_faster_than_half_and_slower_than_twice(summary):
-    assert all(-0.65 < c.error < 0.6 for c in summary.comparisons), \
+def test_no_run_is_off_by_more_than_60_percent(summary):
+    assert all(-0.2 < c.error < 0.6 for c in summary.comparisons), \
         [(c.name, f"{c.error:+.0%}") for c in summary.comparisons]
 
 

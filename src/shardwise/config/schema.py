@@ -17,6 +17,7 @@ from .blocks import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, OptimizerBlock, Schedule
 from .smp_only import SmpOnlySettings
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules that run one stage per rank
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble")  # backward as input, then weight, pass
 PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}  # SMP's names for two orders of the letters D, P, T
 
 

@@ -96,7 +96,8 @@ def collective_time(kind: str, nbytes: float, shape: GroupShape, cluster: Cluste
     if k == 1:
         return LinkTime(intra=intra)
     per_rank_bw = cluster.inter_node_bandwidth * cluster.link_efficiency / cluster.devices_per_node
-    inter = passes * (k - 1) / k * nbytes / r / per_rank_bw + calls * _inter_node_steps(kind, k) * cluster.inter_node_latency
+    latency = calls * _inter_node_steps(kind, k) * cluster.inter_node_latency
+    inter = passes * (k - 1) / k * nbytes / r / per_rank_bw + latency
     return LinkTime(intra=intra, inter=inter)
 
 

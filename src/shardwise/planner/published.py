@@ -135,7 +135,8 @@ class Summary:
 
     def table(self) -> str:
         """A markdown table, one row per run, and the summary line."""
-        rows = ["| run | measured tokens/s/device | predicted | error | measured MFU | predicted MFU | fits (per rank) |",
+        rows = ["| run | measured tokens/s/device | predicted | error | measured MFU | predicted MFU "
+                "| fits (per rank) |",
                 "|---|---:|---:|---:|---:|---:|---|"]
         for c in self.comparisons:
             rows.append(f"| {c.name} | {c.measured_tokens_per_s:,.0f} | {c.predicted_tokens_per_s:,.0f} | "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from ..config.schema import ShardwiseConfig
+from ..config.schema import SPLIT_BACKWARD_SCHEDULES, ShardwiseConfig
 from ..topology import Layout
 from ..config.decisions import Decisions
 from . import assumptions as A
@@ -139,17 +139,45 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
             _parameter_broadcasts(traffic, config, layout, spec, rank_params)
         return
     gathered = compute_bytes(config) * rank_params
-    traffic.add("forward", "all_gather", gathered, ("dp_shard",), "parameter")
-    if stage == 3:  # under ZeRO++ hpZ from the secondary shards forward left, inside the secondary group
-        traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter",
-                    within=Decisions(config, layout).secondary_partition)
-    traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), "gradient")
+    if layout.pp > 1:
+        _pipelined_sharding_traffic(traffic, config, layout, stage, gathered, grads)
+    else:
+        _sharding_traffic(traffic, config, layout, stage, gathered, grads)
     # MiCS's cross-group all-reduce: one per unit (the blocks, then the root), overlapping the last backward, or
     # (cross_group_overlap: forward, parallel/sharding/mics.py) also the optimizer step and the next forward
     shards = rank_params / layout.dp_shard * cross_group_bytes(config, layout)
     cross_group = Decisions(config, layout).cross_group
     when = "whole_step" if cross_group is not None and cross_group.deferred else "sync"
     traffic.add(when, "all_reduce", shards, ("dp_replicate",), "gradient shard", spec.stage_layers(layout.pp) + 1)
+
+
+def _sharding_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, stage: int, gathered: float,
+                      grads: float) -> None:
+    """FSDP2 without a pipeline: gathers every forward (ZeRO-3 again in backward, under ZeRO++ hpZ inside the
+    secondary group), a reduce-scatter every backward."""
+    traffic.add("forward", "all_gather", gathered, ("dp_shard",), "parameter")
+    if stage == 3:  # under ZeRO++ hpZ from the secondary shards forward left, inside the secondary group
+        traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter",
+                    within=Decisions(config, layout).secondary_partition)
+    traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), "gradient")
+
+
+def _pipelined_sharding_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, stage: int,
+                                gathered: float, grads: float) -> None:
+    """FSDP2 under a pipeline: torch's PipelineStage runs an FSDP2 stage's backward without gradient sync and
+    keeps it gathered after backward, then reduce-scatters once per round (its perform_reduce_grad). So a
+    round gathers once where forward keeps the gathered parameters (ZeRO-2, and ZeRO-3 under a schedule that
+    splits backward), else for every warm-up forward (at most pp before the first backward) and once more for
+    the first backward; it reduce-scatters once, with the last backward."""
+    m = config.microbatches
+    split_backward = config.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+    keeps = Decisions(config, layout).reshard_after_forward(split_backward) is False
+    gathers = 1 if keeps else min(config.pipeline_round, layout.pp)
+    calls = max(1, round(traffic.blocks * gathers / m))
+    traffic.add("forward", "all_gather", gathered * gathers / m, ("dp_shard",), "parameter", calls)
+    if not keeps:
+        traffic.add("backward", "all_gather", gathered / m, ("dp_shard",), "parameter", max(1, traffic.blocks // m))
+    traffic.add("sync", "reduce_scatter", grads, ("dp_shard",), "gradient", traffic.blocks)
 
 
 def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, spec: ModelSpec,

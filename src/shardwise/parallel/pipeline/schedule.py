@@ -32,9 +32,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from ...config.schema import SINGLE_STAGE_SCHEDULES as SINGLE_STAGE
-
-# Schedules that split backward into an input-gradient and a later weight-gradient pass.
-SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")
+from ...config.schema import SPLIT_BACKWARD_SCHEDULES as SPLIT_BACKWARD  # input-gradient, then weight-gradient pass
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti  # the public bases of every schedule below
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
