@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from ..torch_internals import tree_map_only, unscale_and_check_
+from ..torch_internals import grad_scaler_state, tree_map_only, unscale_and_check_
 from .local import local_tensor
 
 
@@ -118,9 +118,9 @@ class LossScaler(ShardedGradScaler):
                                  "pass the same loss-scale arguments to every DistributedOptimizer of one model")
             return
         self._configured = True
-        self.load_state_dict({"scale": rule.init_scale, "growth_factor": rule.growth_factor,
-                              "backoff_factor": rule.backoff_factor, "growth_interval": rule.growth_interval,
-                              "_growth_tracker": 0, "rule": asdict(rule), "hysteresis_left": rule.hysteresis})
+        self.load_state_dict({**grad_scaler_state(rule.init_scale, rule.growth_factor, rule.backoff_factor,
+                                                  rule.growth_interval),
+                              "rule": asdict(rule), "hysteresis_left": rule.hysteresis})
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
         """torch's update, then the rule's floor, hysteresis or static scale on top of it. torch backs off

@@ -28,7 +28,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 from ...api.param_mapping import adopt_model_parameters
 from ...runtime.mesh import ParallelMesh
-from ...torch_internals import FakeTensorMode, tree_map_only
+from ...torch_internals import FakeTensorMode, tensor_tables, tree_map_only
 from ..local import local_tensor
 from ..materialize import mesh_device, place
 from ..strategy import OptimizerUpdate, Pieces, Strategy
@@ -248,7 +248,7 @@ def _take_model_tensors(stage: nn.Module, whole: nn.Module, own: list[str], name
             if isinstance(original, nn.Parameter):
                 setattr(owner, leaf, original)
             else:
-                persistent = leaf not in whole.get_submodule(path)._non_persistent_buffers_set
+                persistent = leaf not in tensor_tables(whole.get_submodule(path))[2]
                 owner.register_buffer(leaf, original, persistent=persistent)
     made = [name for name, t in [*stage.named_parameters(), *stage.named_buffers()] if id(t) not in names]
     if made:
@@ -263,7 +263,8 @@ def _tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
         owner = module.get_submodule(path)
     except AttributeError:
         return None
-    return owner._parameters.get(leaf, owner._buffers.get(leaf))
+    parameters, buffers, _ = tensor_tables(owner)
+    return parameters.get(leaf, buffers.get(leaf))
 
 
 def _module_at(root: nn.Module, path: str) -> nn.Module:
