@@ -12,7 +12,7 @@ from shardwise.config.validate import config_problems
 from shardwise.config.layout import validate
 from shardwise.errors import ConfigError
 from shardwise.parallel.context import shard_batch, unsplittable_reason
-from shardwise.topology import Cluster
+from shardwise.topology import Cluster, Layout
 from test_context_parallel import tiny
 
 
@@ -23,13 +23,18 @@ def _layout(cluster: Cluster = Cluster(1, 8), **keys):
 
 
 def test_cp_is_an_axis_next_to_tp_and_the_rest_is_data_parallelism():
-    config, layout, problems = _layout(context_parallel_degree=2, tensor_parallel_degree=2)
-    assert not problems and (layout.cp, layout.tp, layout.dp, layout.world_size) == (2, 2, 2, 8)
+    layout = Layout(dp_replicate=2, cp=2, tp=2)
     assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert layout.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # neighbours of the tp groups, inside a node
+    assert layout.degrees() == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 2, "tp": 2}
+    config, layout, problems = _layout(context_parallel_degree=2, shard_optimizer_state=True)
+    assert not problems and (layout.cp, layout.dp, layout.world_size) == (2, 4, 8)
     decisions = Decisions(config, layout)
     assert (decisions.context_parallel, decisions.context_parallel_degree, decisions.context_parallel_mode) == \
         (True, 2, "ring")
+    assert decisions.shards_optimizer_state  # over the replicas and the cp ranks together
+    config, layout, _ = _layout(Cluster(1, 4), context_parallel_degree=4)
+    assert layout.dp == 1 and Decisions(config, layout).wrapping().value == "ddp"  # cp ranks reduce gradients
 
 
 def test_a_degree_that_does_not_divide_the_world_is_refused():
@@ -47,10 +52,15 @@ def test_an_unknown_mode_is_refused():
                                           "fix: use one of 'ring' or 'all_to_all'"]
 
 
-def test_the_runtime_refuses_cp_until_it_splits_a_steps_batch():
-    with pytest.raises(ConfigError, match=r"context_parallel_degree=2: this feature is not available yet"):
-        validate({"context_parallel_degree": 2}, Cluster(1, 4))
-    assert validate({"context_parallel_degree": 1, "context_parallel_mode": "all_to_all"}, Cluster(1, 4))[1].cp == 1
+def test_what_cp_does_not_run_with_yet_is_named():
+    _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, tensor_parallel_degree=2)
+    assert [str(p) for p in problems] == [
+        "tensor_parallel_degree=2: does not run with context_parallel_degree 2 in this release (context parallelism "
+        "composes with DDP, ZeRO-1/2/3 over the whole data-parallel group, checkpointing and precision); fix: leave "
+        "tensor_parallel_degree at its default, or set context_parallel_degree to 1"]
+    _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, sharded_data_parallel_degree=2)
+    assert [p.path for p in problems] == ["sharded_data_parallel_degree"]  # MiCS: partition groups of 2 of dp 4
+    assert validate({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}, Cluster(1, 4))[1].cp == 2
 
 
 def test_all_to_all_with_heads_the_degree_does_not_divide_is_refused():

@@ -93,7 +93,7 @@ class Decisions:
             return Wrapping.SHARDED
         if self.config.sharded_master_weights:
             return Wrapping.ZERO1_MASTERS
-        if self.layout.dp == 1 or not trains:
+        if self.layout.dp * self.layout.cp == 1 or not trains:  # cp ranks reduce gradients as replicas do
             return Wrapping.SINGLE
         if self.tensor_parallel or self.pipelining:
             return Wrapping.REPLICATE
@@ -108,7 +108,7 @@ class Decisions:
     @property
     def shards_optimizer_state(self) -> bool:
         """ZeRO-1's optimizer side: states dealt over the replicas (and fp32 masters of the share in bf16/fp16)."""
-        return self.zero_stage == 1 and (self.layout.dp > 1 or self.config.sharded_master_weights)
+        return self.zero_stage == 1 and (self.layout.dp * self.layout.cp > 1 or self.config.sharded_master_weights)
 
     @cached_property
     def secondary_partition(self) -> int:

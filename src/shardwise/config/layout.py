@@ -7,7 +7,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from ..topology import Cluster, Layout
 from ..errors import ConfigError, Problem
-from .context import context_problems
+from .context import combination_problems, context_problems
 from .experts import expert_problems
 from .hpz import KEY as HPZ
 from .packages import package_problems
@@ -57,6 +57,7 @@ def layout_problems(config: ShardwiseConfig, cluster: Cluster) -> tuple[Optional
     shard = 1 if config.effective_zero_stage < 2 else group if group > 1 else dp
     layout = Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp, placement=config.placement, cp=cp)
     problems += _hpz_problems(config, layout, cluster)
+    problems += combination_problems(config, layout.dp_replicate)
     problems += expert_problems(config, layout)
     spanning = [g for g in layout.groups("tp") if len({cluster.node_of(r) for r in g}) > 1]
     if spanning and not any(p.path == "tensor_parallel_degree" for p in problems):

@@ -282,9 +282,6 @@ def field_names() -> list[str]:
 
 
 def unavailable_features(config: ShardwiseConfig) -> list[tuple[str, object]]:
-    """(key, value) of settings whose feature this release cannot run yet.
-
-    Context parallelism runs through `shardwise.parallel.context` on a user's own groups; the runtime does not
-    yet split a `@step`'s batch over cp nor reduce gradients over it, so the key is refused rather than ignored."""
-    pending: dict[str, bool] = {"context_parallel_degree": config.context_parallel_degree > 1}
+    """(key, value) of settings whose feature this release cannot run yet: none at present."""
+    pending: dict[str, bool] = {}
     return [(key, getattr(config, key)) for key, used in pending.items() if used]

@@ -31,6 +31,8 @@ from ..config.decisions import Decisions, PrecisionMode
 from . import precision
 from .experts import (apply_expert_parallel, expert_parallel_modules, has_experts,
                       use_global_load_balancing)
+from .context import apply_context_parallel
+from .context.batch import split_sequences
 from .materialize import has_meta, mesh_device, place, unit_materialiser
 from .pipeline import GraphPipeline, PipelineSettings, apply_pipeline, has_block_list
 from .recompute import apply_activation_checkpointing, checkpoint_in_groups, checkpointed, group_size
@@ -60,6 +62,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
         return wrap(module, before_shard=unit_materialiser(module, mesh))
     place(module, mesh)
     split(module, [module], tp_plan)
+    split_context(module, mesh, decisions)
     split_experts(module, mesh, decisions)
     return wrap(module)
 
@@ -155,6 +158,15 @@ def _expert_shares(part: nn.Module, mesh: ParallelMesh, decisions: Decisions) ->
         return []
     ranks = mesh["expert_dp"] if decisions.hybrid_sharding else mesh["expert_shard"]
     return [(share, ranks) for share in expert_parallel_modules(part)]
+
+
+def split_context(module: nn.Module, mesh: ParallelMesh, decisions: Decisions) -> None:
+    """Context parallelism: attention over the whole sequence of the cp ranks, whole rows split before the model
+    runs and its loss taken over the sequence (parallel/context/)."""
+    if decisions.context_parallel:
+        group = mesh["cp"].get_group()
+        apply_context_parallel(module, group, decisions.context_parallel_mode)
+        split_sequences(module, group)
 
 
 def _host_offload(mesh: ParallelMesh, decisions: Decisions) -> Optional[HostOffload]:

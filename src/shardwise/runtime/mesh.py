@@ -25,9 +25,13 @@ class ParallelMesh:
         ranks = torch.tensor(layout.mesh_ranks(), dtype=torch.int, device="cpu")
         self.world = DeviceMesh(device.type, ranks, mesh_dim_names=AXES)
         self._flat = {
-            "rdp": flatten_mesh(self.world["dp_replicate", "dp_shard"], "rdp"),
+            # Context parallelism: each cp rank holds part of its replica's sequences, so gradients are reduced
+            # over the cp ranks as over the replicas, and ZeRO shards over them too (torchtitan's dp_shard_cp)
+            "rdp": flatten_mesh(self.world[("dp_replicate", "dp_shard") + (("cp",) if layout.cp > 1 else ())], "rdp"),
             "dp": flatten_mesh(self.world["dp_replicate", "dp_shard", "tp"], "dp"),
         }
+        if layout.cp > 1:
+            self._flat["dp_shard_cp"] = flatten_mesh(self.world["dp_shard", "cp"], "dp_shard_cp")
         if secondary:
             # (hpz_replicate, hpz): every rank makes every secondary group here, once, in the same order
             split = unflatten_mesh(self.world, "dp_shard", (layout.dp_shard // secondary, secondary),

@@ -35,7 +35,7 @@ _LINK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _dp_mesh(mesh: ParallelMesh, hybrid: bool) -> DeviceMesh:
-    return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard"]
+    return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard_cp" if mesh.layout.cp > 1 else "dp_shard"]
 
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, how: Wrapping, cast: Optional[torch.dtype], *,
