@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from shardwise.config import ConfigError, parse_config
+from shardwise.config.effects import ineffective_settings
 from shardwise.parallel.pipeline import find_blocks, partition
 from tiny_models import tiny_gpt2, tiny_llama
 
@@ -119,11 +120,21 @@ def test_pipeline_config_rule(case):
     assert _message(parse_config, config) == f"invalid shardwise config: {expected}"
 
 
-@pytest.mark.parametrize("config", [
-    {**PP, "microbatches": 4, "active_microbatches": 1},  # 1f1b below pp: rounds run as GPipe
-    {**PP, "pipeline_schedule": "zbv_zero_bubble", "sharded_data_parallel_degree": 2, "microbatches": 3},
-    {**PP, "pipeline_schedule": "interleaved_zero_bubble", "microbatches": 6, "active_microbatches": 3, "fp16": True},
-    {"pipeline_split_points": [5], "virtual_stages": 1},  # pipeline keys are inert without pipeline stages
+@pytest.mark.parametrize("config, schedule, pipeline_round, stages_per_rank, inert", [
+    # 1f1b below pp: rounds of active_microbatches, run as GPipe
+    ({**PP, "microbatches": 4, "active_microbatches": 1}, "1f1b", 1, 1, []),
+    ({**PP, "pipeline_schedule": "zbv_zero_bubble", "sharded_data_parallel_degree": 2, "microbatches": 3},
+     "zbv_zero_bubble", 3, 2, []),
+    ({**PP, "pipeline_schedule": "interleaved_zero_bubble", "microbatches": 6, "active_microbatches": 3, "fp16": True},
+     "interleaved_zero_bubble", 3, 2, []),
+    # pipeline keys are inert without pipeline stages: accepted, and named as doing nothing
+    ({"pipeline_split_points": [5], "virtual_stages": 1}, "1f1b", 1, 1, ["virtual_stages", "pipeline_split_points"]),
 ])
-def test_supported_combinations_pass(config):
-    parse_config(config)
+def test_supported_combinations_pass(config, schedule, pipeline_round, stages_per_rank, inert):
+    """Accepted as given, and read as the pipeline runs them: the schedule, its round of microbatches, the stages
+    on each rank, and the keys that do nothing in this layout."""
+    parsed = parse_config(config)
+    assert {key: getattr(parsed, key) for key in config} == config
+    assert (parsed.pipeline_schedule, parsed.pipeline_round, parsed.stages_per_rank) == (
+        schedule, pipeline_round, stages_per_rank)
+    assert [key for key, _ in ineffective_settings(parsed)] == inert
