@@ -10,8 +10,6 @@ parallelism does.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,15 +30,35 @@ def _batch(step: int, replicas: int, packed: bool) -> dict:
     return {"input_ids": ids, "labels": labels, "position_ids": POSITIONS[packed][:1].expand(replicas, -1)}
 
 
-def train_kind(kind: str, packed: bool, checkpoint: bool) -> float:
+def _reference(kind: str, replicas: list[int], packed: bool) -> tuple[torch.nn.Module, list[float]]:
+    """One process over the same global batches, step s of `replicas[s]` rows, averaging the rows' losses as data
+    parallelism averages the replicas'."""
     torch.manual_seed(0)
     reference = tiny(kind)
-    model = sw.DistributedModel(copy.deepcopy(reference))
+    optimizer, losses = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), []
+    for step, rows in enumerate(replicas):
+        batch = _batch(step, rows, packed)
+        loss = sum(reference(**{k: v[r:r + 1] for k, v in batch.items()}, use_cache=False).loss
+                   for r in range(rows)) / rows
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return reference, losses
+
+
+def train_kind(kind: str, packed: bool, checkpoint: bool, steps: range = range(STEPS), earlier: tuple = (),
+               save: str | None = None, resume: str | None = None) -> float:
+    """Train `steps` (after `earlier` steps' replica counts, resumed from `resume`); the largest difference from
+    one process in a loss or a parameter."""
+    torch.manual_seed(0)
+    model = sw.DistributedModel(tiny(kind))
     if checkpoint:
         for block in (model.get_module().transformer.h if kind == "gpt2" else model.get_module().model.layers):
             sw.set_activation_checkpointing(block)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     opt = sw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    if resume:
+        sw.resume_from_checkpoint(resume)
 
     @sw.step
     def train_step(model, input_ids, labels, position_ids):
@@ -48,28 +66,27 @@ def train_kind(kind: str, packed: bool, checkpoint: bool) -> float:
         model.backward(loss)
         return loss
 
-    replicas, errors = sw.rdp_size(), []
-    for step in range(STEPS):
+    replicas = sw.rdp_size()
+    reference, want = _reference(kind, [*earlier, *[replicas] * len(steps)], packed)
+    errors = []
+    for step in steps:
         batch = _batch(step, replicas, packed)
-        ref_loss = sum(reference(**{k: v[r:r + 1] for k, v in batch.items()}, use_cache=False).loss
-                       for r in range(replicas)) / replicas
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
         mine = {k: v[sw.rdp_rank():sw.rdp_rank() + 1] for k, v in batch.items()}
         loss = torch.as_tensor(train_step(model, **mine).reduce_mean()).detach().clone()
         opt.step()
         opt.zero_grad()
         dist.all_reduce(loss)
-        errors.append(abs(loss.item() / sw.size() - ref_loss.item()))
-    full, want = model.full_state_dict(), reference.state_dict()
-    errors += [((full[k] - v).norm() / v.norm().clamp_min(1e-3)).item() for k, v in want.items()]
+        errors.append(abs(loss.item() / sw.size() - want[step]))
+    full = model.full_state_dict()
+    errors += [((full[k] - v).norm() / v.norm().clamp_min(1e-3)).item() for k, v in reference.state_dict().items()]
+    if save:
+        sw.save_checkpoint(save, "saved")
     return max(errors)
 
 
-def train_all(config: dict, kinds: tuple, packed: bool = False, checkpoint: bool = False) -> dict:
+def train_all(config: dict, kinds: tuple, packed: bool = False, checkpoint: bool = False, **resuming) -> dict:
     sw.init(config)
-    return {kind: train_kind(kind, packed, checkpoint) for kind in kinds}
+    return {kind: train_kind(kind, packed, checkpoint, **resuming) for kind in kinds}
 
 
 CASES = {
@@ -88,3 +105,13 @@ def test_same_math_as_one_process(name):
     config, packed, checkpoint = CASES[name]
     errors = run_distributed(train_all, 4, config, ("llama", "gpt2"), packed, checkpoint, timeout=600)[0]
     assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_a_cp_checkpoint_resumes_at_another_cp_degree(tmp_path):
+    """CP 2 under ZeRO-3 (two replicas) saves after 2 steps; CP 4 under DDP (one replica) resumes and trains the
+    third: weights and momentum carry over, and every loss and parameter stays one process's."""
+    saver = {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}
+    first = run_distributed(train_all, 4, saver, ("llama",), steps=range(2), save=str(tmp_path), timeout=600)[0]
+    then = run_distributed(train_all, 4, {"context_parallel_degree": 4}, ("llama",), steps=range(2, 3),
+                           earlier=(2, 2), resume=str(tmp_path), timeout=600)[0]
+    assert max(first.values()) < TOLERANCE and max(then.values()) < TOLERANCE, (first, then)
