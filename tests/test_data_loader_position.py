@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import shardwise as sw
-from shardwise.api.data import ResumableSampler, ShardedDataLoader, loader_states, restore_loader_states
+from shardwise.api.data import ResumableSampler, ShardedDataLoader
 from shardwise.runtime.state import current
 from shardwise.testing import run_distributed
 
@@ -252,7 +252,7 @@ def registry(saved: list) -> dict:
     """One rank: positions restored before the loaders exist, then into live and collected ones."""
     sw.init({})
     runtime = current()
-    restore_loader_states(runtime, saved)
+    runtime.restore_loader_states(saved)
     first, second, third = (sw.data_loader(indices(LENGTH), batch_size=BATCH, seed=SEED) for _ in range(3))
     created = [loader.state_dict() for loader in (first, second, third)]
     first.set_epoch(saved[0]["epoch"])
@@ -261,8 +261,8 @@ def registry(saved: list) -> dict:
     take(third, 2)
     del second
     gc.collect()
-    states = loader_states(runtime)
-    restore_loader_states(runtime, [None, saved[0], saved[0]])  # first: skipped; second: gone; third: loads
+    states = runtime.loader_states()
+    runtime.restore_loader_states([None, saved[0], saved[0]])  # first: skipped; second: gone; third: loads
     return {"created": created, "first": first_samples, "states": states, "first_now": first.state_dict(),
             "third_now": third.state_dict(), "resumed": runtime.resumed_loader_states}
 

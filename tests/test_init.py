@@ -12,7 +12,7 @@ import torch
 
 import shardwise as sw
 from shardwise.config import ConfigError, parse_config
-from shardwise.launcher.rundir import RunDir
+from shardwise.rundir import RunDir
 from shardwise.runtime.init import CONFIG_ENV
 from shardwise.testing import run_distributed
 from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error, train_reference

@@ -12,7 +12,7 @@ from shardwise.config import ConfigError
 from shardwise.launcher import LaunchError, RunDir, parse_hostfile_text, resolve
 from shardwise.launcher.failure import format_failure, rank_failures, tail
 from shardwise.launcher.hostfile import Host, node_rank_of, slots_per_node
-from shardwise.launcher.rundir import RankLogsSpecs, default_run_dir
+from shardwise.rundir import RankLogsSpecs, default_run_dir
 from shardwise.launcher.spec import line_prefix_template, parse_console_ranks, rendezvous
 
 

@@ -6,7 +6,7 @@
 
 Sharding, tensor parallelism and the pipeline replace the Parameter objects or
 leave them to other ranks; `DistributedOptimizer` maps the optimizer's
-parameters to the model's by name (api/param_mapping.py). Each config's world
+parameters to the model's by name (parallel/param_mapping.py). Each config's world
 trains a tiny GPT-2 (token embedding tied to the head) for 3 steps both ways,
 with three param groups of different lr and weight decay, the third holding
 only the position embedding (so it is empty on the second pipeline stage), and

@@ -13,7 +13,7 @@ import re
 
 from shardwise.checkpoint.directory import newest_tag, resolve
 from shardwise.cli import main
-from shardwise.launcher.rundir import PREEMPTED_EXIT_CODE
+from shardwise.rundir import PREEMPTED_EXIT_CODE
 from test_reliability_elastic import WORLD, assert_trained_as_one_process, write_script
 
 

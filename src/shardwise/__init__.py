@@ -49,7 +49,7 @@ _EXPORTS = {
     "configured_batch_size": "api.configured",
     "Job": "launcher.job",
     "metrics": "observe",
-    "progress": "observe.progress",
+    "progress": "observe.recorder",
     **{name: "runtime.ranks" for name in (
         "rank", "local_rank", "size", "local_size", "dp_rank", "dp_size", "tp_rank", "tp_size", "pp_rank", "pp_size",
         "rdp_rank", "rdp_size", "get_world_process_group", "get_dp_process_group", "get_rdp_process_group",
@@ -63,6 +63,9 @@ _EXPORTS = {
 }
 # SMP v1's submodules, reached as attributes (`smp.nn.FusedLayerNorm`) as well as by import.
 _SUBMODULES = {"nn", "amp", "optimizers", "utils", "patches"}
+# SMP's tensor-parallel marks replace a marked Hugging Face model by SMP's stand-in (`nn.huggingface` registers them):
+# naming one of these loads the stand-ins too, so the core never imports the SMP front end.
+_MARKS = {"tensor_parallelism", "set_tensor_parallelism", "tp_register", "tp_register_with_module", "DistributedModel"}
 
 __all__ = sorted(_EXPORTS)
 
@@ -75,6 +78,8 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
     module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+    if name in _MARKS:
+        importlib.import_module(".nn.huggingface", __name__)
     value = getattr(module, name)
     globals()[name] = value
     return value

@@ -5,7 +5,7 @@ As in SMP, the ranks of a tensor-parallel group read different batches unless
 
 A loader keeps its position in the epoch so that checkpoints can save it and a resumed run
 continues it, with any number of replicas: the runtime lists the loaders in creation order,
-and `loader_states` / `restore_loader_states` are what the checkpoint module calls.
+and its `loader_states` / `restore_loader_states` are what the checkpoint module calls.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from .. import torch_internals as pytree
 from ..observe.recorder import Recorder, recorder_for
 from ..runtime import ranks
-from ..runtime.state import Runtime, current
+from ..runtime.state import current
 
 
 _END = object()  # what a loop's iterator gives after its last batch
@@ -182,19 +182,3 @@ def data_loader(dataset: Dataset, batch_size: int, shuffle: bool = True, seed: i
     if number < len(runtime.resumed_loader_states) and runtime.resumed_loader_states[number] is not None:
         loader.load_state_dict(runtime.resumed_loader_states[number])
     return loader
-
-
-def loader_states(runtime: Runtime) -> list[Optional[dict]]:
-    """Every `data_loader`'s position in creation order; None for a loader garbage collected since."""
-    loaders = [ref() for ref in runtime.loaders]
-    return [loader.state_dict() if loader is not None else None for loader in loaders]
-
-
-def restore_loader_states(runtime: Runtime, states: list) -> None:
-    """Continue saved positions: in the loaders already created, and (kept in the runtime) in those created
-    later, matched by creation order. None entries are skipped."""
-    runtime.resumed_loader_states = list(states)
-    for ref, state in zip(runtime.loaders, states):
-        loader = ref()
-        if loader is not None and state is not None:
-            loader.load_state_dict(state)

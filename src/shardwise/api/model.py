@@ -22,19 +22,12 @@ from torch.utils.hooks import RemovableHandle
 
 from ..checkpoint.contents import as_held
 from ..checkpoint.legacy import local_tensors
-from ..config import ShardwiseConfig
-from ..config.effects import changed
-from ..parallel.compose import loss_scaler, parallelize
-from ..parallel.materialize import has_meta
-from ..parallel.pipeline.stage import Elsewhere
+from ..parallel.compose import (OriginalNames, PlanLike, ineffective_for_model, is_stand_in, loss_scaler,
+                                parallelize, replace_registered)
 from ..parallel.strategy import OptimizerUpdate
-from ..nn import huggingface  # noqa: F401  (registers SMP's Hugging Face stand-ins, which replace_registered uses)
-from ..parallel.tensor import PlanLike, replace_registered
-from ..parallel.sharding.units import known_blocks
 from ..runtime.init import warn_ineffective
 from ..runtime.state import current
-from ..config.decisions import Decisions, Wrapping
-from .param_mapping import OriginalNames
+from ..config.decisions import Decisions
 
 # What SMP's local_state_dict() holds besides tensors; loading skips them.
 SMP_MARKERS = ("_smp_is_partial", "_smp_load_info")
@@ -48,16 +41,6 @@ def _use_cache_position(module: nn.Module) -> Optional[int]:
     except (TypeError, ValueError):
         return None
     return names.index("use_cache") if "use_cache" in names else None
-
-
-def _ineffective_for(module: nn.Module, config: ShardwiseConfig) -> list[tuple[str, str]]:
-    """Settings only the model makes ineffective: `init` cannot see them."""
-    found = []
-    if config.delayed_parameter_initialization and not has_meta(module):
-        found.append(("delayed_parameter_initialization", "needs the model built inside sw.delay_param_initialization()"))
-    if config.effective_zero_stage >= 2 and changed(config, "auto_wrap_min_params") and known_blocks(module):
-        found.append(("auto_wrap_min_params", f"{type(module).__name__} is sharded by its own blocks"))
-    return found
 
 
 @dataclass(frozen=True)
@@ -168,13 +151,11 @@ class DistributedModel(nn.Module):
         self.state_keys = frozenset(module.state_dict(keep_vars=True))  # keep_vars: no new tensors
         self.module_class = type(module)  # before FSDP2 swaps in a subclass of its own
         self._cache_position = _use_cache_position(module)
-        # The same decision the composition takes, so DDP's own methods are reached without asking the wrapping.
-        trains = any(p.requires_grad for p in module.parameters())
-        self._by_ddp = Decisions(runtime.config, runtime.layout).wrapping(trains) is Wrapping.DDP
-        warn_ineffective(_ineffective_for(module, runtime.config)
-                         + options.notes(self._by_ddp, runtime.config.pipeline_parallel_degree > 1))
+        ineffective = ineffective_for_model(module, runtime.config)
         self._strategy = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan,
                                      ddp_options=options.ddp_options())
+        pipelined = Decisions(runtime.config, runtime.layout).pipelining
+        warn_ineffective(ineffective + options.notes(self._strategy.reduces_in_forward, pipelined))
         self.module = self._strategy.module
         self.loss_scaler = loss_scaler(runtime.config, runtime.device)
         self._partitioned = False
@@ -209,12 +190,16 @@ class DistributedModel(nn.Module):
     def reduces_in_forward(self) -> bool:
         """Gradient reduction is armed by this wrapper's forward (DDP's replicas): a forward of the module itself
         would leave its gradients unreduced."""
-        return self._by_ddp
+        return self._strategy.reduces_in_forward
 
     @property
     def runs_whole_step(self) -> bool:
         """A pipelined model: its schedule runs a whole @step, which then takes no other DistributedModel."""
         return self._strategy.runs_whole_step
+
+    def stage_modules(self) -> Optional[list[nn.Module]]:
+        """The stage modules a pipeline schedule calls on this rank (None where this model itself runs)."""
+        return self._strategy.stage_modules()
 
     @property
     def holds_loss(self) -> bool:
@@ -249,6 +234,7 @@ class DistributedModel(nn.Module):
         self._begin_step()
         training = torch.is_grad_enabled()
         outputs = self._strategy.run_step(self, fn, pieces, around, counted)
+        self._strategy = self._strategy.settled()  # the module-graph pipeline is cut at the first @step
         if self.runs_whole_step:  # its schedule ran the microbatches without microbatch_context
             if training and self.loss_scaler is not None and not self.holds_loss:
                 # fp16: gradients arrive scaled; the scaler's scale exists only once it has scaled something
@@ -340,20 +326,20 @@ class DistributedModel(nn.Module):
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True) -> ContextManager:
         """DDP's `join` context, for replicas with uneven numbers of batches; where the replicas are no DDP, a
         context that does nothing (sw.data_loader gives every replica as many batches)."""
-        if not self._by_ddp:
+        joined = self._strategy.join(divide_by_initial_world_size, enable)
+        if joined is None:
             warn_ineffective([("DistributedModel.join()", ("uneven inputs need the replicas of plain data "
                                "parallelism (DDP); sw.data_loader gives every rank the same number of batches"))])
             return contextlib.nullcontext()
-        return self.module.join(divide_by_initial_world_size=divide_by_initial_world_size, enable=enable)
+        return joined
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """DDP's communication hook: `hook(state, bucket)` reduces each gradient bucket, once per @step (after its
         last microbatch), and as in SMP averages over replicas and microbatches itself. Only with DDP replicas."""
-        if not self._by_ddp:
+        if not self._strategy.register_comm_hook(state, hook):
             warn_ineffective([("DistributedModel.register_comm_hook()", ("needs the replicas of plain data "
                                "parallelism (DDP); gradients are reduced as this layout does, without the hook"))])
             return
-        self.module.register_comm_hook(state, hook)
         self._hook_reduces = True
 
     def cpu(self) -> "DistributedModel":
@@ -399,7 +385,7 @@ class DistributedModel(nn.Module):
                             prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
         """This rank's modules (under a pipeline, without the stand-ins for other stages' modules)."""
         return ((name, module) for name, module in self.get_module().named_modules(memo, prefix)
-                if not isinstance(module, Elsewhere))
+                if not is_stand_in(module))
 
     def local_modules(self) -> Iterator[nn.Module]:
         return (module for _, module in self.local_named_modules())

@@ -12,13 +12,12 @@ from ..checkpoint.contents import as_held
 from ..checkpoint.legacy import local_tensors
 from ..checkpoint.save import save_checkpoint
 from ..observe.recorder import recorder_for
-from ..parallel.precision import ScalingRule
+from ..parallel.compose import ScalingRule, adopt_model_parameters
 from ..runtime import preemption
 from ..runtime.init import warn_ineffective
 from ..runtime.non_finite import NonFiniteCheck
 from ..runtime.replica_check import check_replicas
 from ..runtime.state import current
-from .param_mapping import adopt_model_parameters
 
 # SMP's `dynamic_loss_args` and their defaults (those of the Megatron/DeepSpeed scaler SMP's FP16_Optimizer uses).
 DYNAMIC_LOSS_DEFAULTS = {"init_scale": 2.0 ** 32, "scale_factor": 2.0, "scale_window": 1000, "min_scale": 1.0,
@@ -122,7 +121,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     It binds to the DistributedModel that owns its parameters. The optimizer may be
     built before that model, from the user's module, as SMP scripts do: its param
     groups get the model's parameters in place of those parallelizing replaced, and
-    lose other pipeline stages' (api/param_mapping.py).
+    lose other pipeline stages' (parallel/param_mapping.py).
 
     It is a `torch.optim.Optimizer` over the wrapped one's own `param_groups`,
     `state` and `defaults` (the same objects, never copies), so learning-rate

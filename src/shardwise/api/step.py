@@ -27,9 +27,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..parallel.compose import first_step_check
-from ..parallel.pipeline.runner import NOT_HERE
 from ..observe.recorder import Recorder, recorder_for
-from ..parallel.strategy import Pieces
+from ..parallel.strategy import NOT_HERE, Pieces
 from ..runtime.control_flow import ControlFlowCheck, forward_calls
 from ..runtime.init import warn_ineffective
 from ..runtime.state import current

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..api.data import loader_states
 from ..parallel.strategy import OptimizerUpdate
 from ..torch_internals import strided
 
@@ -168,6 +167,6 @@ def training_state(runtime: Any, model: Any, optimizer: Any) -> dict[str, Any]:
     scaler = model.loss_scaler
     state[META] = {"steps": optimizer.steps if optimizer is not None else 0,
                    "loss_scaler": scaler.state_dict() if scaler is not None else None,
-                   "loaders": numbered(loader_states(runtime))}
+                   "loaders": numbered(runtime.loader_states())}
     state[RNG] = {f"rank{runtime.rank}": rng_state(runtime.device)}
     return state

@@ -8,7 +8,6 @@ error instead of the others waiting forever in the next collective.
 from __future__ import annotations
 
 import atexit
-from concurrent.futures import Future
 from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
@@ -46,17 +45,9 @@ def agree(group: dist.ProcessGroup, action: Callable[[], T]) -> T:
     return result
 
 
-def wait_for_pending_save(runtime: Runtime) -> None:
-    """Let an asynchronous save finish (raising its error, if it failed) before anything else touches files."""
-    pending: Optional[Future] = runtime.pending_save
-    if pending is not None:
-        runtime.pending_save = None
-        pending.result()
-
-
 def _wait_at_exit() -> None:
     if is_initialized():
-        wait_for_pending_save(current())
+        current().wait_for_pending_save()
 
 
 atexit.register(_wait_at_exit)

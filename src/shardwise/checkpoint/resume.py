@@ -18,11 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..api.data import restore_loader_states
 from ..runtime.state import Runtime, current
 from ..torch_internals import strided
 from .contents import META, MODEL, OPTIMIZER, RNG, held_as, parameter_names, restore_rng_state, subjects, target_like
-from .coordination import agree, checkpoint_group, wait_for_pending_save
+from .coordination import agree, checkpoint_group
 from .directory import USER_CONTENT, CheckpointError, read_manifest, resolve
 from .sources import FullSource, PartialSource, Stored, put, under
 from .storage import plain_data_globals, verify
@@ -46,7 +45,7 @@ def resume_from_checkpoint(path: str, tag: Optional[str] = None, partial: bool =
     `restore_positions=False` leaves the data loaders' positions and the RNG streams as the script set them
     (DeepSpeed's `load_checkpoint` restores neither, and its scripts skip batches themselves)."""
     runtime = current("shardwise.resume_from_checkpoint")
-    wait_for_pending_save(runtime)
+    runtime.wait_for_pending_save()
     model, optimizer = subjects(runtime, model, optimizer)
     if translate_function is not None and partial:
         raise ValueError("translate_function applies to full checkpoints: pass partial=False with it")
@@ -184,7 +183,7 @@ class _Plan:
         if not self.restore_positions:
             return
         loaders = meta.get("loaders") or {}
-        restore_loader_states(self.runtime, [loaders[str(i)] for i in range(len(loaders))])
+        self.runtime.restore_loader_states([loaders[str(i)] for i in range(len(loaders))])
         own = loaded.get(RNG, {}).get(f"rank{self.runtime.rank}")
         if own is not None:
             restore_rng_state(own, self.runtime.device)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..parallel.tensor.registration import stood_in_for
 from ..runtime.state import Runtime, current
 from .contents import MODEL, subjects, training_state
-from .coordination import agree, checkpoint_group, wait_for_pending_save
+from .coordination import agree, checkpoint_group
 from .directory import (MODEL_FILE, TRAINING_FILE, USER_CONTENT, CheckpointError, check_tag, newest_tag, prune, publish,
                         start_writing, write_manifest, writing_dir)
 from .sources import read_everything
@@ -52,7 +52,7 @@ def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None
     if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
         raise ValueError(f"num_kept_partial_checkpoints={num_kept_partial_checkpoints}; keep at least 1, "
                          "or None to keep all")
-    wait_for_pending_save(runtime)
+    runtime.wait_for_pending_save()
     model, optimizer = subjects(runtime, model, optimizer)
     group = checkpoint_group(runtime)
     root = Path(path)

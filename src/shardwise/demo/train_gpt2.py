@@ -21,7 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import shardwise as sw
 from shardwise.observe import metrics
-from shardwise.observe.progress import progress
+from shardwise.observe.recorder import progress
 
 VOCAB = 256
 

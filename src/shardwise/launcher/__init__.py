@@ -11,7 +11,7 @@ directory and per-rank log layout), `failure` (failure summary), `runner` (the l
 from ..config.sources import CONFIG_ENV
 from .errors import LaunchError
 from .hostfile import Host, parse_hostfile_text, read_hostfile
-from .rundir import RUN_DIR_ENV, RunDir
+from ..rundir import RUN_DIR_ENV, RunDir
 from .runner import launch
 from .spec import LaunchSpec, default_nproc_per_node, resolve
 

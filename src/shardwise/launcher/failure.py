@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from .rundir import RunDir
+from ..rundir import RunDir
 from .spec import LaunchSpec
 
 TAIL_LINES = 20

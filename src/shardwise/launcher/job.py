@@ -65,8 +65,8 @@ class Job:
     def fit(self) -> JobResult:
         """Launch this node's ranks and wait for them; a bad config or shape is a ConfigError or exit code 2, as
         with `shardwise run`."""
-        from ..cli.run import launch_from_args
-        from .rundir import default_run_dir
+        from .from_args import launch_from_args
+        from ..rundir import default_run_dir
 
         run_dir = Path(self.run_dir or default_run_dir(Path(self.entry_point)))
         with tempfile.TemporaryDirectory() as scratch:

@@ -15,6 +15,9 @@ from typing import Mapping, Optional
 
 from .errors import LaunchError
 
+# DeepSpeed's launcher flags that shardwise's own do not spell: a command line using one is a DeepSpeed command
+# line, whose script expects --local_rank.
+DEEPSPEED_ONLY = ("num_gpus", "num_nodes", "include", "exclude", "no_ssh")
 LOCALHOST = "localhost"
 # host -> its slots (device indices), or None for a node without accelerators, whose slots only count processes
 Pool = Mapping[str, Optional[list[int]]]

@@ -18,7 +18,7 @@ from ..config.layout import validate
 from ..config.describe import describe_layout
 from .failure import format_failure, preemption_line, rank_failures
 from .leftovers import LAUNCH_ID_ENV, new_launch_id, start_reaper, stop_leftovers
-from .rundir import PREEMPTED_EXIT_CODE, RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
+from ..rundir import PREEMPTED_EXIT_CODE, RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
 from .spec import LaunchSpec, entrypoint, launch_config, rendezvous, rendezvous_env
 
 # torch's agent logs restarts, SIGTERMs and its own ChildFailedError report; they go to

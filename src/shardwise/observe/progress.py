@@ -59,21 +59,3 @@ class ProgressDisplay:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-def progress(total_steps: Optional[int] = None, every: Optional[int] = None) -> None:
-    """Show a progress display on rank 0 over a run of `total_steps` optimizer steps (the `progress_bar` key
-    does the same with an unknown total); without a terminal, a line every `every` steps. It shows recorded
-    steps: every step with metrics_interval 1."""
-    from ..runtime.state import current
-    from .recorder import recorder_for
-
-    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
-                                    or total_steps < 1):
-        raise ValueError(f"sw.progress(total_steps={total_steps!r}): give the number of optimizer steps, e.g. "
-                         "sw.progress(1000), or None when unknown")
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"sw.progress(every={every!r}): give a number of steps >= 1 between plain lines, or None")
-    runtime = current("shardwise.progress()")
-    if runtime.rank == 0:
-        recorder_for(runtime).show_progress(ProgressDisplay(total_steps, every))

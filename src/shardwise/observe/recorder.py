@@ -20,9 +20,9 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.distributed as dist
 
-from ..launcher.rundir import RUN_DIR_ENV
-from ..runtime.mesh import ParallelMesh
-from ..runtime.state import Runtime
+from ..rundir import RUN_DIR_ENV
+from ..parallel.mesh import ParallelMesh
+from ..runtime.state import Runtime, current
 from ..torch_internals import tree_leaves
 from . import comms
 from .flops import FlopsPerStep
@@ -230,5 +230,20 @@ def recorder_for(runtime: Runtime) -> Recorder:
 def _forward_modules(model: Any) -> list:
     """The modules whose forward calls are the model's forward time: the model itself, or under a pipeline this
     rank's stage modules, which its schedule calls between backward passes (the model itself is not called)."""
-    stages = getattr(model.module, "stages", None) if model.runs_whole_step else None
-    return list(stages) if isinstance(stages, torch.nn.ModuleList) else [model]
+    stages = model.stage_modules()
+    return [model] if stages is None else stages
+
+
+def progress(total_steps: Optional[int] = None, every: Optional[int] = None) -> None:
+    """Show a progress display on rank 0 over a run of `total_steps` optimizer steps (the `progress_bar` key
+    does the same with an unknown total); without a terminal, a line every `every` steps. It shows recorded
+    steps: every step with metrics_interval 1."""
+    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                    or total_steps < 1):
+        raise ValueError(f"sw.progress(total_steps={total_steps!r}): give the number of optimizer steps, e.g. "
+                         "sw.progress(1000), or None when unknown")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"sw.progress(every={every!r}): give a number of steps >= 1 between plain lines, or None")
+    runtime = current("shardwise.progress()")
+    if runtime.rank == 0:
+        recorder_for(runtime).show_progress(ProgressDisplay(total_steps, every))

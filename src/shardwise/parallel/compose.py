@@ -19,6 +19,7 @@ which the planner reads too; everything called from here gets plain values.
 from __future__ import annotations
 
 import functools
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -26,20 +27,25 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.schema import ShardwiseConfig
-from ..runtime.mesh import ParallelMesh
+from .mesh import ParallelMesh
 from ..config.decisions import Decisions, PrecisionMode
+from ..config.effects import changed
 from . import precision
+from .precision import ScalingRule
 from .experts import (apply_expert_parallel, expert_parallel_modules, has_experts,
                       use_global_load_balancing)
 from .context import apply_context_parallel
 from .context.batch import split_sequences
 from .materialize import has_meta, mesh_device, place, unit_materialiser
+from .param_mapping import OriginalNames, adopt_model_parameters
 from .pipeline import GraphPipeline, PipelineSettings, apply_pipeline, has_block_list
 from .recompute import apply_activation_checkpointing, checkpoint_in_groups, checkpointed, group_size
 from .recompute.offload import OffloadSchedule, first_step_check, schedule_for_device
 from .sharding import HostOffload, apply_data_parallel
 from .strategy import Strategy
-from .tensor import PlanLike, TensorParallelBatch, apply_tensor_parallel
+from .sharding.units import known_blocks
+from .stand_in import Elsewhere
+from .tensor import PlanLike, TensorParallelBatch, apply_tensor_parallel, replace_registered
 from .zero1.update import apply_zero1
 
 
@@ -68,8 +74,25 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
 
 
 # What the API layer and the front ends use from `parallel/` besides `strategy`: this module is its one door.
-__all__ = ["OffloadSchedule", "activation_offload", "apply_activation_checkpointing", "checkpoint_in_groups",
-           "checkpointed", "compute_dtype", "first_step_check", "group_size", "loss_scaler", "parallelize"]
+__all__ = ["OffloadSchedule", "OriginalNames", "PlanLike", "ScalingRule", "activation_offload",
+           "adopt_model_parameters", "apply_activation_checkpointing", "checkpoint_in_groups", "checkpointed",
+           "compute_dtype", "first_step_check", "group_size", "ineffective_for_model", "is_stand_in", "loss_scaler",
+           "parallelize", "replace_registered"]
+
+
+def ineffective_for_model(module: nn.Module, config: ShardwiseConfig) -> list[tuple[str, str]]:
+    """Settings only the model makes ineffective: `init` cannot see them."""
+    found = []
+    if config.delayed_parameter_initialization and not has_meta(module):
+        found.append(("delayed_parameter_initialization", "needs the model built inside sw.delay_param_initialization()"))
+    if config.effective_zero_stage >= 2 and changed(config, "auto_wrap_min_params") and known_blocks(module):
+        found.append(("auto_wrap_min_params", f"{type(module).__name__} is sharded by its own blocks"))
+    return found
+
+
+def is_stand_in(module: nn.Module) -> bool:
+    """A pipeline stage's stand-in for a module another stage holds."""
+    return isinstance(module, Elsewhere)
 
 
 def compute_dtype(config: ShardwiseConfig) -> Optional[torch.dtype]:
@@ -101,7 +124,8 @@ def pipeline_settings(decisions: Decisions) -> PipelineSettings:
         split_points=config.pipeline_split_points, auto_partition=config.auto_partition,
         default_partition=config.default_partition, schedule=config.pipeline_schedule, round=config.pipeline_round,
         tensor_parallel_degree=config.tensor_parallel_degree, prescaled_batch=config.prescaled_batch,
-        memory_weight=config.effective_memory_weight, compute_dtype=dtype, stage_dtype=dtype if stored else None)
+        memory_weight=config.effective_memory_weight, compute_dtype=dtype, stage_dtype=dtype if stored else None,
+        group_timeout=timedelta(seconds=config.collective_timeout_seconds))
 
 
 def split_part(module: nn.Module, callees: list[nn.Module], tp_plan: PlanLike, *, mesh: ParallelMesh,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.mesh import ParallelMesh
+from .mesh import ParallelMesh
 
 
 def has_meta(module: nn.Module) -> bool:

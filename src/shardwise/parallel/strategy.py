@@ -10,6 +10,7 @@ and load them back, bind an optimizer, wait for parameter updates in flight.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
@@ -21,6 +22,17 @@ from .precision import in_fp32
 from .tensor import loss_context
 
 Pieces = list[tuple[tuple, dict]]  # a @step call's (args, kwargs) per microbatch
+
+
+class _NotHere:
+    """A step result this rank does not receive (under a pipeline, a non-scalar tensor off pp rank 0 and the last
+    stage)."""
+
+    def __repr__(self) -> str:
+        return "NOT_HERE"
+
+
+NOT_HERE = _NotHere()
 
 
 class OptimizerUpdate:
@@ -82,13 +94,14 @@ OptimizerBinding = Callable[[torch.optim.Optimizer, "Strategy", Optional[torch.a
                             OptimizerUpdate]
 
 
-class Strategy:
-    """One model's parallel wrapping.
+class Strategy(ABC):
+    """One model's parallel wrapping, complete when built.
 
     `module` is what forward calls, `inner` the user's module with the names they
-    wrote (under a pipeline reduced to this rank's stages). `precision` is the
-    context forward runs under; `binding` makes each optimizer's update (ZeRO-1's
-    when the composition chose it).
+    wrote (under a pipeline reduced to this rank's stages). `autocast` is the
+    context forward runs under (None: as stored); `binding` makes each optimizer's
+    update (ZeRO-1's when the composition chose it). Implementations say how
+    gradients are synchronised per microbatch; the rest has a default here.
     """
 
     # A strategy that runs the whole @step itself (a pipeline schedule) takes no other model in the step.
@@ -109,9 +122,34 @@ class Strategy:
         with self.autocast():
             return in_fp32(self.module(*args, **kwargs))  # as FSDP2's policy and ZeRO-1's replicas return
 
+    @abstractmethod
     def microbatch_context(self, last: bool) -> ContextManager:
-        """Around one microbatch's forward, loss and backward; gradients are synchronised on the `last`."""
+        """Around one microbatch's forward, loss and backward; gradients are synchronised on the `last`.
+        Implementations enter `self.loss_context()` too."""
+
+    def loss_context(self) -> ContextManager:
         return loss_context(self.inner)  # vocabulary-parallel logits need forward, loss and backward under it
+
+    def settled(self) -> "Strategy":
+        """The strategy to use from now on: itself, or what a first @step built (the module-graph pipeline)."""
+        return self
+
+    def stage_modules(self) -> Optional[list[nn.Module]]:
+        """The modules a pipeline schedule calls on this rank (its stages), or None where the model itself runs."""
+        return None
+
+    @property
+    def reduces_in_forward(self) -> bool:
+        """Gradient reduction is armed by the wrapper's forward (DDP): a forward of the module itself skips it."""
+        return False
+
+    def join(self, divide_by_initial_world_size: bool, enable: bool) -> Optional[ContextManager]:
+        """DDP's `join` for replicas with uneven numbers of batches; None where the replicas are no DDP."""
+        return None
+
+    def register_comm_hook(self, state: object, hook: Callable) -> bool:
+        """DDP's communication hook on each gradient bucket; False (nothing registered) where there is no DDP."""
+        return False
 
     def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces, around: Callable[[int], ContextManager],
                  counted: Callable[[int], ContextManager]) -> list[Any]:

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..config.schema import ShardwiseConfig
 from ..parallel.pipeline.graph_cut import Call, captured, cut_units, split_units, trace_calls
-from ..parallel.pipeline.partition import Blocks, find_blocks, has_block_list
+from ..parallel.pipeline.blocks import Blocks
+from ..parallel.pipeline.partition import find_blocks, has_block_list
 from .errors import PlanError
 from .spec import ModelSpec, StageCost, Traced
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..launcher.rundir import rank_log_dir
+from ..rundir import rank_log_dir
 from ..torch_internals import flight_recorder_trace, process_groups, set_group_timeout
 from . import state
 from .launcher_store import attempt_key, connect, wait_for

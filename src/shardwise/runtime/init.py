@@ -21,7 +21,7 @@ from . import hang_report, state
 from .agreement import check_same_config
 from .devices import backend_for, local_device
 from .launcher_store import attempt_key, connect
-from .mesh import ParallelMesh, forget_cached_meshes
+from ..parallel.mesh import ParallelMesh, forget_cached_meshes
 
 ConfigLike = Union[None, str, os.PathLike, Mapping[str, Any], ShardwiseConfig]
 
@@ -150,10 +150,7 @@ def shutdown(wait: bool = True) -> None:
     if wait and state.is_initialized():
         for model in list(state.current().models):
             model.wait_for_parameters()
-        if state.current().pending_save is not None:
-            from ..checkpoint.coordination import wait_for_pending_save
-
-            wait_for_pending_save(state.current())
+        state.current().wait_for_pending_save()
     state.set_current(None)
     hang_report.stop()
     if dist.is_initialized():

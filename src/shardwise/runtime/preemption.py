@@ -21,7 +21,7 @@ from typing import Callable, NoReturn, Optional
 
 import torch.distributed as dist
 
-from ..launcher.rundir import PREEMPTED_EXIT_CODE, PREEMPTED_RECORD, rank_log_dir
+from ..rundir import PREEMPTED_EXIT_CODE, PREEMPTED_RECORD, rank_log_dir
 from .launcher_store import attempt_key, connect, wait_for
 from .state import Runtime
 

@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 
 from ..topology import AXES
 from .hang_report import group_timeout
-from .mesh import ParallelMesh
+from ..parallel.mesh import ParallelMesh
 from .state import Runtime, current
 
 # The layout axes each of SMP's groups spans.

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..parallel.local import local_tensor
-from .mesh import ParallelMesh
+from ..parallel.mesh import ParallelMesh
 
 _AS_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MODULUS = 65521  # position weights cycle through 1..65521, so a permutation of values changes the fingerprint

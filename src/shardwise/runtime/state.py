@@ -14,7 +14,7 @@ import torch
 
 from ..config.schema import ShardwiseConfig
 from ..topology import Cluster, Layout
-from .mesh import ParallelMesh
+from ..parallel.mesh import ParallelMesh
 
 
 @dataclass
@@ -43,6 +43,28 @@ class Runtime:
     # training), made by the first checkpoint call; an asynchronous save still being written.
     checkpoint_group: Optional[object] = field(default=None)
     pending_save: Optional[object] = field(default=None)
+
+
+    def loader_states(self) -> list[Optional[dict]]:
+        """Every `data_loader`'s position in creation order; None for a loader garbage collected since."""
+        loaders = [ref() for ref in self.loaders]
+        return [loader.state_dict() if loader is not None else None for loader in loaders]
+
+    def restore_loader_states(self, states: list) -> None:
+        """Continue saved positions: in the loaders already created, and (kept here) in those created later,
+        matched by creation order. None entries are skipped."""
+        self.resumed_loader_states = list(states)
+        for ref, state in zip(self.loaders, states):
+            loader = ref()
+            if loader is not None and state is not None:
+                loader.load_state_dict(state)
+
+    def wait_for_pending_save(self) -> None:
+        """Let an asynchronous checkpoint save finish (raising its error, if it failed) before anything else
+        touches its files or the process group goes."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.result()
 
 
 _current: Optional[Runtime] = None

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 from torch import nn
 
-from ...runtime.mesh import ParallelMesh
+from ..mesh import ParallelMesh
 from ..materialize import place
 from ..strategy import OptimizerBinding
 from ..tensor import PlanLike, TensorParallelPlan, plan_for
@@ -60,7 +60,7 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSetti
     ties = TiedWeights(model, tied_groups(model, part), local)
     prune(model, part, local)
     device = place(model, mesh)
-    ties.connect(mesh.layout, dist.get_rank(), ranks)
+    ties.connect(mesh.layout, dist.get_rank(), ranks, settings.group_timeout)
     ties.broadcast_values()
     stages = [StageModule(stage_view(model, part, s), part, s) for s in local]
     tp = settings.tensor_parallel_degree

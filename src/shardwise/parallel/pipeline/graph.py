@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from ...api.param_mapping import adopt_model_parameters
-from ...runtime.mesh import ParallelMesh
+from ...parallel.param_mapping import adopt_model_parameters
+from ..mesh import ParallelMesh
 from ...torch_internals import FakeTensorMode, tensor_tables, tree_map_only
 from ..local import local_tensor
 from ..materialize import mesh_device, place
@@ -106,13 +106,15 @@ class GraphPipeline(Strategy):
         self.tensor = GraphTensorParallel(mesh["tp"], tp_plan, settings.prescaled_batch)  # split at the cut
         self._deferred: list[_DeferredUpdate] = []
 
-    # Before the cut: the whole model. After it: the stage's pipeline answers (_DELEGATED), as if it had been
-    # the strategy from the start.
-    def __getattribute__(self, name: str) -> Any:
-        built = object.__getattribute__(self, "__dict__").get("built")
-        if built is not None and name in _DELEGATED:
-            return getattr(built, name)
-        return object.__getattribute__(self, name)
+    def microbatch_context(self, last: bool) -> ContextManager:
+        return self.loss_context()  # never entered by @step: the first one cuts the pipeline, which runs it all
+
+    def stage_modules(self) -> Optional[list[nn.Module]]:
+        return []  # none until the first @step cuts the graph
+
+    def settled(self) -> Strategy:
+        """After the first @step, the stage's pipeline, which answers for the model from then on."""
+        return self.built or self
 
     def bind(self, optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device) -> Any:
         update = _DeferredUpdate(optimizer, scaler, device)
@@ -142,13 +144,15 @@ class GraphPipeline(Strategy):
         tied = _tied_groups(pipe.replicated_params, wiring.module_names)
         _refuse_copies_on_one_rank_with_replicas(tied, ranks, mesh.layout.dp, self.settings.schedule)
         ties = TiedWeights(inner, tied, local)
-        ties.connect(mesh.layout, dist.get_rank(), ranks)
+        ties.connect(mesh.layout, dist.get_rank(), ranks, self.settings.group_timeout)
         ties.broadcast_values()
         stages = [GraphStage(module, wiring, stage, cut) for module, stage in zip(modules, local)]
         for stage in stages:
             self.tensor.install(stage, stage.is_last)
         self.built = self._runner(inner, stages, ties, signature)
-        self.__dict__["inner"] = None  # the other stages' parameters are freed with the whole model
+        # The whole model goes (the other stages' parameters are freed with it); until the API layer takes the
+        # settled strategy after this step, this one shows the stage's modules.
+        self.inner, self.module, self.holds_loss = self.built.inner, self.built.module, self.built.holds_loss
         model.module = self.built.module
         held = dict(model.named_parameters(remove_duplicate=False))
         for update in self._deferred:
@@ -276,10 +280,3 @@ def _module_at(root: nn.Module, path: str) -> nn.Module:
         module = getattr(module, part)
     return module
 
-
-# What the stage's pipeline answers once the graph is cut (the rest is Strategy's, on the stage).
-_DELEGATED = frozenset({
-    "run_step", "forward", "module", "inner", "holds_loss", "microbatch_context", "clip_grad_norm_",
-    "sharded_state_dict", "load_sharded_state_dict", "full_state_dict", "load_full_state_dict", "held", "bind",
-    "wait_for_parameters", "tied_copies", "after_backward_passes", "autocast", "gather_stages",
-})

@@ -17,20 +17,11 @@ from typing import Optional, Sequence
 from torch import nn
 
 from ...errors import ConfigError, Problem
+from .blocks import Blocks
 from .placement import block_placements
 
 PP_KEY = "pipeline_parallel_degree"
 SPLIT_KEY = "pipeline_split_points"
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """The model's block list (`path`, e.g. 'transformer.h') and the modules around it."""
-
-    path: str
-    count: int
-    before: tuple[str, ...]  # paths of modules with parameters the first stage holds
-    after: tuple[str, ...]  # ... the last stage holds
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,11 @@ blocks on the first partition and what comes after them on the last.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from .partition import Blocks
+from .blocks import Blocks
 
 _PLACED = "_shardwise_partition"  # the attribute a placement is recorded in
 _open: list[int] = []  # indices of the `partition` contexts open now, innermost last

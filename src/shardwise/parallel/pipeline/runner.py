@@ -21,21 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from ...torch_internals import tree_flatten, tree_map, tree_unflatten
 from ..clipping import clip_grad_norm_
-from ..strategy import OptimizerBinding, Pieces, Strategy
+from ..strategy import NOT_HERE, OptimizerBinding, Pieces, Strategy
 from ..tensor import loss_context
 from . import schedule as schedules
 from .calls import OutputsModel, call_with, capture
 from .ties import TiedWeights
-
-
-class _NotHere:
-    """A step result this rank does not receive (a non-scalar tensor off pp rank 0 and the last stage)."""
-
-    def __repr__(self) -> str:
-        return "NOT_HERE"
-
-
-NOT_HERE = _NotHere()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +99,14 @@ class PipelineParallel(Strategy):
         self.holds_loss = any(stage.is_last for stage in stages)
         self.schedule: Any = None  # set by apply_pipeline once the PipelineStages exist
         self._step: Optional[dict[str, Any]] = None  # the @step call being run
+
+    def microbatch_context(self, last: bool) -> ContextManager:
+        """Never entered by @step (the schedule runs the microbatches); a call of the model outside one is refused
+        by the stage modules."""
+        return self.loss_context()
+
+    def stage_modules(self) -> list[nn.Module]:
+        return list(self.module.stages)
 
     def run_step(self, model: nn.Module, fn: Callable, pieces: Pieces, around: Callable[[int], ContextManager],
                  counted: Callable[[int], ContextManager]) -> list[Any]:

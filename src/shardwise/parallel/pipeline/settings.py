@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -22,3 +23,4 @@ class PipelineSettings:
     memory_weight: float                  # the module-graph cut's weight of memory against compute
     compute_dtype: Optional[torch.dtype]  # mixed precision's, else None
     stage_dtype: Optional[torch.dtype]    # the dtype a stage's parameters are held in (captured so), else None
+    group_timeout: timedelta              # the collective timeout of the groups tied weights are summed in

@@ -43,7 +43,8 @@ from torch import nn
 
 from ...torch_internals import children_table, tree_flatten, tree_unflatten
 from ..stand_in import Elsewhere
-from .partition import Blocks, Partition
+from .blocks import Blocks
+from .partition import Partition
 
 
 def _replace(root: nn.Module, path: str, module: nn.Module) -> None:

@@ -9,6 +9,7 @@ Copies on one rank (virtual stages) are summed locally first.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -16,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...runtime.hang_report import group_timeout
 from ...topology import Layout
 from ..local import local_tensor
 from ..tensor.rules import tied_parameters
@@ -97,14 +97,15 @@ class TiedWeights:
     def _copies(self, group: _Group) -> list[nn.Parameter]:
         return [self.model.get_parameter(name) for name in group.local.values()]
 
-    def connect(self, layout: Layout, rank: int, stage_ranks: list[int]) -> None:
-        """Make a process group per tied weight over the pp ranks holding it (every rank must call this)."""
+    def connect(self, layout: Layout, rank: int, stage_ranks: list[int], timeout: Optional[timedelta]) -> None:
+        """Make a process group per tied weight over the pp ranks holding it (every rank must call this), with the
+        collectives' `timeout`."""
         for group in self.groups:
             holders = sorted({stage_ranks[s] for s in group.stages})
             owner = stage_ranks[group.stages[0]]
             for line in layout.groups("pp"):  # one line of pp ranks per (dp, tp) coordinate
                 members = [line[r] for r in holders]
-                handle = dist.new_group(members, timeout=group_timeout()) if len(members) > 1 else None
+                handle = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
                 if rank in line:
                     group.group, group.source = handle, line[owner]
 

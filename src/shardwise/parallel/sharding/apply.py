@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ...runtime.mesh import ParallelMesh
+from ..mesh import ParallelMesh
 from ...config.decisions import CrossGroupSettings, Wrapping
 from ...torch_internals import replicate, reshard_after_forward_over
 from .. import precision

@@ -30,7 +30,7 @@ class Sharded(Strategy):
         if self.hybrid:
             self.module.set_requires_all_reduce(last)
         self.module.set_is_last_backward(last)
-        with super().microbatch_context(last):
+        with self.loss_context():
             yield
         if last and not torch.is_grad_enabled():
             reshard_gathered(self.module)

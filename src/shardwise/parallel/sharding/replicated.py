@@ -4,7 +4,7 @@ step (ZeRO-1's optimizer reduces them itself, `zero1/`)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator, Optional
 
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
@@ -27,5 +27,19 @@ class Replicated(Strategy):
         if isinstance(self.module, FSDPModule):
             self.module.set_requires_gradient_sync(last)
         skip_sync = not last and isinstance(self.module, DistributedDataParallel)
-        with self.module.no_sync() if skip_sync else contextlib.nullcontext(), super().microbatch_context(last):
+        with self.module.no_sync() if skip_sync else contextlib.nullcontext(), self.loss_context():
             yield
+
+    @property
+    def reduces_in_forward(self) -> bool:
+        return isinstance(self.module, DistributedDataParallel)
+
+    def join(self, divide_by_initial_world_size: bool, enable: bool) -> Optional[ContextManager]:
+        if not self.reduces_in_forward:
+            return None
+        return self.module.join(divide_by_initial_world_size=divide_by_initial_world_size, enable=enable)
+
+    def register_comm_hook(self, state: object, hook: Callable) -> bool:
+        if self.reduces_in_forward:
+            self.module.register_comm_hook(state, hook)
+        return self.reduces_in_forward

@@ -37,7 +37,6 @@ class ParallelMesh:
             split = unflatten_mesh(self.world, "dp_shard", (layout.dp_shard // secondary, secondary),
                                    ("hpz_replicate", "hpz"))
             self._flat["hpz"] = split["hpz_replicate", "hpz"]
-
         if experts > 1:
             # dp_shard = expert_shard × ep, ep fastest (neighbouring ranks, as torchtitan splits it): `ep` splits
             # the experts, `expert_shard` shards one share, (dp_replicate, expert_shard) holds its copies
