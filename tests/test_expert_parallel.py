@@ -52,15 +52,20 @@ def _losses(family: str, model: nn.Module, inputs: torch.Tensor, targets: torch.
     return moe_loss(model, inputs, targets)
 
 
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def _optimizer(model: nn.Module, name: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW, or SGD with momentum where rounding noise must not be amplified (Adam normalises tiny gradients'
+    noise into full steps: bf16's rounding would swamp the comparison)."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
 
 
 @functools.cache
-def reference(family: str) -> dict:
-    """One plain process: STEPS steps on consecutive global batches of WORLD × ROWS rows."""
+def reference(family: str, clip: float | None = None, optimizer: str = "adamw") -> dict:
+    """One plain process: STEPS steps on consecutive global batches of WORLD × ROWS rows (the gradients' global
+    norm clipped to `clip` when set)."""
     model = _model(family)
-    opt = _optimizer(model)
+    opt = _optimizer(model, optimizer)
     inputs, targets = dataset("llama", STEPS * WORLD * ROWS).tensors
     losses, aux = [], []
     for step in range(STEPS):
@@ -68,6 +73,8 @@ def reference(family: str) -> dict:
         opt.zero_grad()
         loss, balance = _losses(family, model, inputs[rows], targets[rows])
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
         aux.append(balance.item())
