@@ -19,7 +19,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import shardwise as sw
 from shardwise.config import parse_config
-from shardwise.config.strategies import split_policy
+from shardwise.config.recompute import split_policy
 from shardwise.planner import cluster_preset, plan, predict_memory, predict_step_time, spec_from_hf
 from shardwise.planner.traced import TRACE_BATCH, spec_from_module
 from shardwise.topology import Layout

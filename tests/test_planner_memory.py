@@ -68,7 +68,7 @@ def test_mics_shards_over_the_partition_group_only():
 
 
 def test_zero1_busiest_rank_holds_its_largest_tensors():
-    """ZeRO-1 deals whole tensors, largest first, to the least-loaded rank (parallel/optimizer_state.py)."""
+    """ZeRO-1 deals whole tensors, largest first, to the least-loaded rank (parallel/zero1/optimizer_state.py)."""
     spec = resolve_model("gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=256,n_positions=64")
     config = parse_config({"shard_optimizer_state": True})
     share = optimizer_share(spec, config, layout_for(config, Cluster(1, 4)))

@@ -133,8 +133,8 @@ def test_selective_checkpointing_trains_as_one_plain_process(config):
 
 
 def test_the_planner_and_the_runtime_know_the_same_policy_names():
-    """config/strategies.POLICIES (read by the planner, which loads no torch) lists what NAMED maps to ops."""
-    from shardwise.config.strategies import POLICIES
+    """config/recompute.POLICIES (read by the planner, which loads no torch) lists what NAMED maps to ops."""
+    from shardwise.config.recompute import POLICIES
     from shardwise.parallel.recompute.selective import NAMED
 
     assert sorted(POLICIES) == sorted(NAMED)

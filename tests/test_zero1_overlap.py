@@ -1,7 +1,7 @@
 """ZeRO-1's parameter broadcasts overlap the next forward, and every reader of the parameters sees them updated.
 
 After `optimizer.step()` the owners' updated parameters are still on their way to the
-other replicas (parallel/parameter_broadcasts.py): each module of the next forward
+other replicas (parallel/zero1/parameter_broadcasts.py): each module of the next forward
 waits for the bucket holding its parameters, and everything else that reads them
 waits for all. On 4 gloo ranks with buckets of 8 kB (test_zero1_precision's small
 buckets: the 4-layer GPT-2's 50 tensors travel in 18), counting, not timing:

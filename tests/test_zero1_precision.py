@@ -3,7 +3,7 @@
 With `shard_optimizer_state` and `bf16` or `fp16`, every data-parallel replica
 stores parameters and gradients in the compute dtype and the user's optimizer
 (AdamW; SGD with momentum under tensor parallelism) steps fp32 master copies of
-only this rank's share (parallel/master_weights.py). On 4
+only this rank's share (parallel/zero1/master_weights.py). On 4
 gloo ranks, through the seed's loop:
 
 - same math: losses and final parameters match one plain PyTorch process doing

@@ -267,7 +267,7 @@ class ShardwiseConfig(SmpOnlySettings):
     @property
     def sharded_master_weights(self) -> bool:
         """ZeRO-1 in bf16/fp16: replicas keep parameters and gradients in the compute dtype, and each rank
-        fp32 master copies of only its share (parallel/master_weights.py; the planner models the same). With
+        fp32 master copies of only its share (parallel/zero1/master_weights.py; the planner models the same). With
         offload_optimizer_state in fp32 too: the masters are what goes to host memory."""
         return self.effective_zero_stage == 1 and (self.dtype_name != "fp32" or self.offload_optimizer_state)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config.strategies import checkpointing_group_size, split_policy
+from ..config.recompute import checkpointing_group_size, split_policy
 from .errors import PlanError
 from .hardware import Kernels
 from .spec import ModelSpec

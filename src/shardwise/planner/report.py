@@ -11,7 +11,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ..config.strategies import split_policy
+from ..config.recompute import split_policy
 from .errors import PlanError
 from .hardware import GiB
 from .search import Evaluation, Plan

@@ -183,7 +183,7 @@ def _pipelined_sharding_traffic(traffic: _Traffic, config: ShardwiseConfig, layo
 def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, spec: ModelSpec,
                           rank_params: float) -> None:
     """ZeRO-1's broadcasts of the updated parameters: overlapping the next forward, which waits for the first
-    bucket (parallel/parameter_broadcasts.py); exposed where FSDP2's `replicate` copies them all first."""
+    bucket (parallel/zero1/parameter_broadcasts.py); exposed where FSDP2's `replicate` copies them all first."""
     nbytes, tensors = stored_bytes(config) * rank_params, len(spec.stage_tensors(layout.pp))
     if replicated_by_fsdp(config, layout):
         traffic.add("after_step", "broadcast", nbytes, _DP_AXES, "parameter", tensors)

@@ -11,14 +11,14 @@ own decision, read from `config/decisions.py`:
   for backward. With tensor or pipeline parallelism and several replicas FSDP2's
   `replicate` replaces DDP and casts by its policy; a lone replica is not wrapped
   and autocasts.
-- ZeRO-1 (parallel/optimizer_state.py) deals whole tensors, largest first, to the
+- ZeRO-1 (parallel/zero1/optimizer_state.py) deals whole tensors, largest first, to the
   least-loaded rank, so the busiest rank holds more than 1/n of the optimizer
   state, and broadcasts each updated tensor from its owner after the step.
-- ZeRO-1 in bf16/fp16 (parallel/master_weights.py) keeps parameters and gradients
+- ZeRO-1 in bf16/fp16 (parallel/zero1/master_weights.py) keeps parameters and gradients
   in the compute dtype on every replica and fp32 masters of the rank's share beside
   the optimizer's moments; it computes as FSDP2 does (fp32 outputs). During every
   backward pass (under a pipeline, the last microbatch's) gradients travel to their
-  owners in fp32 buckets of one owner each (parallel/gradient_buckets.py, whose
+  owners in fp32 buckets of one owner each (parallel/zero1/gradient_buckets.py, whose
   rules `shares.py` gives): a bucket's half-precision gradients are freed when it
   is sent, so only those waiting for their bucket are alive at once, and beside
   the owner's fp32 master gradients at most two buckets are in flight.

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ...config.strategies import checkpointing_group_size
+from ...config.recompute import checkpointing_group_size
 from ..stand_in import Elsewhere
 from .offload import OffloadSchedule, offloaded_region
 from .selective import Policy, checked_policy, with_policy

@@ -41,7 +41,7 @@ MATMUL_OPS = [
     _c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default, _c10d.all_gather_into_tensor.default,
     _c10d.all_to_all_single.default,
 ]
-NAMED = {"matmul": MATMUL_OPS}  # config/strategies.POLICIES, the names the planner reads
+NAMED = {"matmul": MATMUL_OPS}  # config/recompute.POLICIES, the names the planner reads
 
 
 def checked_policy(policy: Policy) -> Policy:

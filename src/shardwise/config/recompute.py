@@ -1,4 +1,5 @@
-"""SMP's activation-checkpointing strategy names, read by the runtime and by the planner (which loads no torch).
+"""SMP's activation-checkpointing (recompute) strategy names, read by the runtime and by the planner (which loads
+no torch).
 
 The planner names a strategy with an op-selective policy "strategy:policy" ("each:matmul": every block a region
 that keeps its matrix products' outputs), the call `set_activation_checkpointing(blocks, strategy=..., policy=...)`.
