@@ -25,7 +25,6 @@ The private Trainer methods overridden here are listed, with why, in internals.p
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import warnings
 from pathlib import Path
@@ -89,16 +88,6 @@ class _ScaledBackward:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.model.scaled_loss(loss)
-
-
-def _unfused(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """`optimizer` built again without torch's fused kernel (same update; built before any step, so no state).
-    In fp16: torch's fused Adam takes the 0-dim overflow flag of torch's own GradScaler, and the sharded loss
-    scaler keeps a 1-element one, so the Trainer's default `adamw_torch_fused` steps with the foreach kernel."""
-    groups = [{key: value for key, value in group.items() if key != "fused"} for group in optimizer.param_groups]
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    return type(optimizer)(groups, **{**defaults, "fused": False})
 
 
 def _refused(args: transformers.TrainingArguments) -> list[str]:
@@ -223,8 +212,6 @@ class ShardwiseTrainerMixin:
             self.optimizer = _torch_optimizer(block, params)
         else:
             super().create_optimizer()
-        if distributed.loss_scaler is not None and self.optimizer.defaults.get("fused"):
-            self.optimizer = _unfused(self.optimizer)
         self.optimizer = _TrainerOptimizer(self.optimizer)
         return self.optimizer
 

@@ -108,6 +108,7 @@ class LossScaler(ShardedGradScaler):
         self._hysteresis_left = rule.hysteresis
         self._configured = False
         self.overflowed = False  # whether the steps the last `update` concluded were skipped for an inf/nan
+        self._flags: dict[torch.device, torch.Tensor] = {}  # the last unscale's overflow flags, one per device
 
     def configure(self, rule: ScalingRule) -> None:
         """Follow `rule` from its initial scale on. A model has one loss scale, shared by its backward and
@@ -162,6 +163,14 @@ class LossScaler(ShardedGradScaler):
             self.rule = ScalingRule(**state_dict["rule"])
             self._hysteresis_left = state_dict["hysteresis_left"]
 
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch's unscale, each overflow flag then put back to 0 or 1: torch sums them over the ranks, and a fused
+        optimizer's step (AdamW(fused=True), the Hugging Face Trainer's default) skips only on exactly 1."""
+        self._flags = {}
+        super().unscale_(optimizer)
+        for flag in self._flags.values():
+            flag.clamp_(max=1.0)
+
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
         grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
@@ -170,9 +179,12 @@ class LossScaler(ShardedGradScaler):
                 if param.grad is not None:
                     local = local_tensor(param.grad)
                     grads[local.device, local.dtype].append(local)
+        # 0-dim flags, as torch's GradScaler makes them: a fused optimizer's step subtracts the flag from its 0-dim
+        # step counts and takes no other shape
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for (device, _), tensors in grads.items():
-                flag = found.setdefault(device, found_inf.to(device, copy=True))
+                flag = found.setdefault(device, found_inf.to(device, copy=True).reshape(()))
                 unscale_and_check_(tensors, flag, inv_scale.to(device))
-        return found or {self._scale.device: found_inf.to(self._scale.device, copy=True)}
+        self._flags = found or {self._scale.device: found_inf.to(self._scale.device, copy=True).reshape(())}
+        return self._flags
