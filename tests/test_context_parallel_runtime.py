@@ -1,6 +1,6 @@
 """Context parallelism through the runtime: `sw.init({"context_parallel_degree": n, ...})`, `DistributedModel`,
-`@sw.step` and `DistributedOptimizer`, with the training loop of one process unchanged (whole rows into
-`model(input_ids=..., labels=...)`).
+`@sw.step` and `DistributedOptimizer`, with the training loop of one process unchanged: whole rows into
+`model(input_ids=..., labels=...)`, or into `model(input_ids)` with the loop's own loss over the logits.
 
 On 4 gloo ranks, CP 2 beside two data-parallel replicas under DDP, ZeRO-1, ZeRO-2 (all-to-all) and ZeRO-3, and
 CP 4 alone and under ZeRO-3 with every block recomputed, Hugging Face Llama and GPT-2 train 3 SGD steps (packed
@@ -48,7 +48,7 @@ def _reference(kind: str, replicas: list[int], packed: bool) -> tuple[torch.nn.M
 
 
 def train_kind(kind: str, packed: bool, checkpoint: bool, steps: range = range(STEPS), earlier: tuple = (),
-               save: str | None = None, resume: str | None = None) -> float:
+               save: str | None = None, resume: str | None = None, own_loss: bool = False) -> float:
     """Train `steps` (after `earlier` steps' replica counts, resumed from `resume`); the largest difference from
     one process in a loss or a parameter."""
     torch.manual_seed(0)
@@ -62,7 +62,11 @@ def train_kind(kind: str, packed: bool, checkpoint: bool, steps: range = range(S
 
     @sw.step
     def train_step(model, input_ids, labels, position_ids):
-        loss = model(input_ids=input_ids, labels=labels, position_ids=position_ids).loss
+        if own_loss:  # the loop's own loss over the logits, which the model then returns whole
+            logits = model(input_ids, position_ids=position_ids)["logits"]
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        else:
+            loss = model(input_ids=input_ids, labels=labels, position_ids=position_ids).loss
         model.backward(loss)
         return loss
 
@@ -96,6 +100,7 @@ CASES = {
                               "sharded_data_parallel_degree": 2}, False, False),
     "cp2-zero3": ({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}, False, False),
     "cp4": ({"context_parallel_degree": 4}, False, False),
+    "cp2-zero3-own-loss": ({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}, True, False),
     "cp4-zero3-checkpointing": ({"context_parallel_degree": 4, "zero_stage": 3}, True, True),
 }
 
@@ -103,7 +108,8 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_same_math_as_one_process(name):
     config, packed, checkpoint = CASES[name]
-    errors = run_distributed(train_all, 4, config, ("llama", "gpt2"), packed, checkpoint, timeout=600)[0]
+    errors = run_distributed(train_all, 4, config, ("llama", "gpt2"), packed, checkpoint, own_loss="own" in name,
+                             timeout=600)[0]
     assert max(errors.values()) < TOLERANCE, errors
 
 

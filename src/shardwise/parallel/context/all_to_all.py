@@ -11,16 +11,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_to_all_single
 
 from shardwise.parallel.context import documents as docs
+from shardwise.torch_internals import all_to_all_autograd
 from shardwise.parallel.context.sharding import shard_order
 
 
 def _exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Send slice i along dim 0 to rank i and receive rank i's as slice i (autograd-aware)."""
-    tensor = tensor.contiguous()  # empty_like keeps a permuted tensor's strides; the collective writes densely
-    return all_to_all_single(torch.empty_like(tensor), tensor, group=group)
+    splits = [1] * tensor.shape[0]
+    return all_to_all_autograd(tensor.contiguous(), splits, splits, group)
 
 
 def _to_heads(tensor: torch.Tensor, size: int, group: dist.ProcessGroup) -> torch.Tensor:

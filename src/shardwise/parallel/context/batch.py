@@ -4,18 +4,23 @@ The training loop keeps calling `model(input_ids=..., labels=...)` with whole ro
 rank keeps its load-balanced share of `input_ids`, `position_ids` (whole-row positions, restarting per packed
 document) and the document ids attention keeps apart (`shard_batch`); `labels` never reach the model, whose own
 loss would shift them inside a shard. After it, the output's `loss` is `sequence_loss` over the cp group, on next-
-token labels shifted on the whole row. `logits` stay this rank's share, in its order.
+token labels shifted on the whole row, and `logits` stay this rank's share. Called without `labels` (a loop whose
+own loss function reads the logits), the model returns the whole sequence's logits, gathered from the cp ranks:
+every cp rank then computes the same loss, whose gradient reaches each rank's share from all of them (the gather's
+backward sums it), so the gradients averaged over the cp ranks are one process's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardwise.parallel.context.loss import sequence_loss
-from shardwise.parallel.context.sharding import shard_batch
+from shardwise.parallel.context.sharding import shard_batch, unshard
+from shardwise.torch_internals import all_to_all_autograd
 
 _SPLIT = ("input_ids", "position_ids", "cu_seqlens")
 
@@ -47,7 +52,19 @@ class SequenceSplit:
         if self.labels is not None:
             output["loss"] = sequence_loss(output["logits"], self.labels, self.group)
             self.labels = None
+        else:
+            output["logits"] = gather_sequence(output["logits"], self.group)
         return output
+
+
+def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole sequence (dim 1) in order from every rank's load-balanced share; gradients flow back summed."""
+    size, rows = dist.get_world_size(group), local.shape[0]
+    # An all-to-all of `size` copies is an all-gather whose backward (the reverse all-to-all, the copies' gradients
+    # summed) runs on every backend, gloo included
+    copies = local.unsqueeze(0).expand(size, *local.shape).reshape(size * rows, *local.shape[1:])
+    gathered = all_to_all_autograd(copies, [rows] * size, [rows] * size, group).view(size, *local.shape)
+    return unshard(gathered.transpose(0, 1).flatten(1, 2), 1, size)
 
 
 def split_sequences(model: nn.Module, group: dist.ProcessGroup) -> SequenceSplit:
