@@ -154,8 +154,9 @@ class DistributedModel(nn.Module):
         ineffective = ineffective_for_model(module, runtime.config)
         self._strategy = parallelize(module, runtime.mesh, runtime.config, tensor_parallel_plan,
                                      ddp_options=options.ddp_options())
-        pipelined = Decisions(runtime.config, runtime.layout).pipelining
-        warn_ineffective(ineffective + options.notes(self._strategy.reduces_in_forward, pipelined))
+        decisions = Decisions(runtime.config, runtime.layout)
+        self._tensor_parallel = decisions.tensor_parallel
+        warn_ineffective(ineffective + options.notes(self._strategy.reduces_in_forward, decisions.pipelining))
         self.module = self._strategy.module
         self.loss_scaler = loss_scaler(runtime.config, runtime.device)
         self._partitioned = False
@@ -407,18 +408,18 @@ class DistributedModel(nn.Module):
     def is_scaled_batch_parameter(self, param: torch.Tensor) -> bool:
         """Computes on the tensor-parallel group's whole batch: under shardwise, with tensor_parallel_degree > 1
         every module does (the batch is gathered before the model), not only the split ones as in SMP."""
-        return self._runtime.layout.tp > 1 and any(param is p for p in self.parameters())
+        return self._tensor_parallel and any(param is p for p in self.parameters())
 
     def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
-        return self._runtime.layout.tp > 1 and any(buf is b for b in self.buffers())
+        return self._tensor_parallel and any(buf is b for b in self.buffers())
 
     def default_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters whose gradients are averaged over the DP group: all without tensor parallelism."""
-        return self.named_parameters() if self._runtime.layout.tp == 1 else iter(())
+        return iter(()) if self._tensor_parallel else self.named_parameters()
 
     def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters whose gradients are averaged over the RDP group: all with tensor parallelism."""
-        return self.named_parameters() if self._runtime.layout.tp > 1 else iter(())
+        return self.named_parameters() if self._tensor_parallel else iter(())
 
     # ----- state dicts -----
 

@@ -70,7 +70,7 @@ class Decisions:
 
     def sequence_fits(self, seq: int) -> bool:
         """Sequence parallelism splits every sequence evenly over the tp ranks (checked at the first block)."""
-        return not self.sequence_parallel or seq % self.layout.tp == 0
+        return not self.sequence_parallel or splits_evenly(seq, self.layout.tp)
 
     @property
     def zero_stage(self) -> int:
@@ -190,6 +190,12 @@ class Decisions:
     @property
     def offload_activations(self) -> bool:
         return self.config.offload_activations
+
+
+def splits_evenly(length: int, ranks: int) -> bool:
+    """A sequence of `length` positions is cut into `ranks` equal slices (sequence parallelism's rule, checked by
+    the runtime on each input and by the planner on the planned length)."""
+    return length % ranks == 0
 
 
 def cross_group_possible(config: ShardwiseConfig) -> bool:

@@ -55,7 +55,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
     torch's DistributedDataParallel takes, where the composition chooses it (SMP's DistributedModel arguments)."""
     decisions = Decisions(config, mesh.layout)
     wrap = functools.partial(wrap_part, mesh=mesh, decisions=decisions, ddp_options=ddp_options)
-    split = functools.partial(split_part, mesh=mesh, config=config)
+    split = functools.partial(split_part, mesh=mesh, decisions=decisions)
     # ZeRO-1 under a pipeline: steps once the schedule's microbatches are all back, tied copies summed first
     zero1 = functools.partial(_zero1, mesh, decisions, config.microbatches) if (
         decisions.pipelining and decisions.shards_optimizer_state) else None
@@ -129,13 +129,13 @@ def pipeline_settings(decisions: Decisions) -> PipelineSettings:
 
 
 def split_part(module: nn.Module, callees: list[nn.Module], tp_plan: PlanLike, *, mesh: ParallelMesh,
-               config: ShardwiseConfig) -> None:
+               decisions: Decisions) -> None:
     """Tensor parallelism over `module` (placed, equal on every rank); each of `callees`, the modules the
     step calls, gathers or splits the batch inside the tensor-parallel group."""
-    if config.tensor_parallel_degree > 1:
-        apply_tensor_parallel(module, mesh["tp"], tp_plan, sequence_parallel=config.sequence_parallel)
+    if decisions.tensor_parallel:
+        apply_tensor_parallel(module, mesh["tp"], tp_plan, sequence_parallel=decisions.sequence_parallel)
         for callee in callees:
-            TensorParallelBatch(mesh["tp"], config.prescaled_batch).install(callee)
+            TensorParallelBatch(mesh["tp"], decisions.config.prescaled_batch).install(callee)
 
 
 def wrap_part(part: nn.Module, *, mesh: ParallelMesh, decisions: Decisions, reshard_after_forward: bool = True,

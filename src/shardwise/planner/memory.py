@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from ..config.decisions import Decisions
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
 from . import assumptions as A
@@ -106,7 +107,7 @@ def host_retention(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, dev
 def in_flight_microbatches(config: ShardwiseConfig, layout: Layout) -> int:
     """Microbatches whose activations stage 0 holds at once. The runtime runs rounds of `pipeline_round`:
     GPipe keeps a whole round, 1F1B at most pp of it (a round below pp runs as GPipe: all of it)."""
-    if layout.pp == 1:
+    if not Decisions(config, layout).pipelining:
         return 1
     pipeline_round = config.pipeline_round
     return pipeline_round if config.pipeline_schedule == "gpipe" else min(layout.pp, pipeline_round)

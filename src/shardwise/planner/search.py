@@ -20,6 +20,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional, Union
 
 from ..config import ConfigError, Problem, ShardwiseConfig
 from ..topology import Layout
+from ..config.decisions import splits_evenly
 from ..config.layout import validate
 from .activations import distinct_strategies
 from .errors import PlanError
@@ -127,7 +128,7 @@ def _model_problems(spec: ModelSpec, layout: Layout, global_batch: int, seq: int
     if global_batch % dp:
         problems.append(Problem("global batch", global_batch, f"is not divisible by the data-parallel degree {dp}",
                                 "choose a global batch that is a multiple of it"))
-    if sequence_parallel and seq % tp:   # the runtime's rule (parallel/tensor/sequence.py), checked at the first block
+    if sequence_parallel and not splits_evenly(seq, tp):  # the runtime's rule, checked at the first block
         problems.append(Problem("sequence_parallel", True, f"the sequence length {seq} does not divide by "
                                 f"tensor_parallel_degree {tp}", f"pad or cut the inputs to a multiple of {tp} "
                                 "positions, or set sequence_parallel to false"))

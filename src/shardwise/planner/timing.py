@@ -131,7 +131,7 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     grads = REDUCE_BYTES * rank_params
     if stage <= 1:
         if config.sharded_master_weights:
-            traffic.add("sync" if layout.pp > 1 else "backward", "reduce", grads, _DP_AXES, "gradient",
+            traffic.add("sync" if Decisions(config, layout).pipelining else "backward", "reduce", grads, _DP_AXES, "gradient",
                         reduce_buckets(spec, layout).count)
         else:
             traffic.add("sync", "all_reduce", grads, _DP_AXES, "gradient")
@@ -139,7 +139,7 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
             _parameter_broadcasts(traffic, config, layout, spec, rank_params)
         return
     gathered = compute_bytes(config) * rank_params
-    if layout.pp > 1:
+    if Decisions(config, layout).pipelining:
         _pipelined_sharding_traffic(traffic, config, layout, stage, gathered, grads)
     else:
         _sharding_traffic(traffic, config, layout, stage, gathered, grads)
@@ -258,7 +258,7 @@ def pipeline_rounds(config: ShardwiseConfig) -> int:
 
 def pipeline_slots(config: ShardwiseConfig, layout: Layout) -> int:
     """Microbatch slots the busiest stage spends per step: every round fills and drains pp stages."""
-    if layout.pp == 1:
+    if not Decisions(config, layout).pipelining:
         return config.microbatches
     return pipeline_rounds(config) * (config.pipeline_round + layout.pp - 1)
 
@@ -300,7 +300,7 @@ def _pipeline_bubble(config: ShardwiseConfig, layout: Layout, t_mb: float, work:
                      weight_grad: float) -> float:
     """Idle time of the busiest rank per step: every round's fill and drain as its schedule leaves them
     (bubbles.py), one microbatch's `t_mb` seconds split into F, B and W in the shares of its `work`."""
-    if layout.pp == 1 or work == 0:
+    if not Decisions(config, layout).pipelining or work == 0:
         return 0.0
     f, w = t_mb * forward / work, t_mb * weight_grad / work
     per_round = bubble_share(config.pipeline_schedule, layout.pp, config.stages_per_rank, f, t_mb - f - w, w)
@@ -318,6 +318,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     forward, backward = blocks.forward + edge.forward, blocks.backward + edge.backward
     recompute = _recompute_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing, blocks)
     activation = micro_batch * seq * spec.boundary_elements(pp) * compute_bytes(config)
+    sent = activation / tp if config.sequence_parallel else activation   # stages hand each other sequence shards
     traffic = _Traffic(cluster, layout, m, layers)
     tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0)
     _data_parallel_traffic(traffic, config, layout, spec)
@@ -332,7 +333,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     time = StepTime(compute=(forward + backward) * m, recompute=recompute * m, tensor_parallel=tp_time * m,
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial,
                     pipeline_bubble=_pipeline_bubble(config, layout, t_mb, busy, forward + recompute, weight_grad),
-                    pipeline_p2p=_pipeline_p2p(traffic, cluster, activation, pipeline_rounds(config),
+                    pipeline_p2p=_pipeline_p2p(traffic, cluster, sent, pipeline_rounds(config),
                                                config.stages_per_rank),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
                     offload=_offload_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing,

@@ -162,7 +162,7 @@ def gradient_fraction(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) 
     """Share of the rank's gradients alive at their peak: all of them, except under ZeRO-1 in bf16/fp16 without
     a pipeline, which sends and frees them bucket by bucket in every backward pass (a pipeline schedule
     accumulates its microbatches in them first)."""
-    if not config.sharded_master_weights or layout.pp > 1:
+    if not config.sharded_master_weights or Decisions(config, layout).pipelining:
         return 1.0
     return reduce_buckets(spec, layout).waiting * layout.tp / spec.stage_parameters(layout.pp)
 
@@ -238,6 +238,6 @@ def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
         buffers = master_gradients + in_flight_bucket_bytes(spec, layout)
     else:
         buffers = REDUCE_BYTES * rank_params if layout.dp > 1 else 0.0
-    if layout.pp > 1:
+    if Decisions(config, layout).pipelining:
         buffers += 2 * micro_batch * seq * spec.boundary_elements(layout.pp) * low
     return buffers

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
+from ...config.decisions import splits_evenly
 from ...errors import ConfigError, Problem
 from .plan import PLAN_KEY, Entry, TensorParallelPlan, resolve
 from .styles import Colwise, FanOut, Rowwise, map_input
@@ -76,7 +77,7 @@ class SequenceNorm(SequenceParallel):
 
 def _check_length(t: torch.Tensor, tp: int) -> None:
     length = t.shape[SEQUENCE_DIM]
-    if length % tp:
+    if not splits_evenly(length, tp):
         raise ValueError(f"{KEY}: the sequence length {length} does not divide by tensor_parallel_degree {tp}; "
                          f"fix: pad or cut the inputs to a multiple of {tp} positions, or set {KEY} to false")
 
