@@ -14,6 +14,7 @@ from ..planner.hardware import GB, GiB
 from ..planner.report import checkpointing_call, config_format
 from ..config.layout import validate
 from .flags import fraction, positive
+from .plan_trainer import trainer_plan
 
 # Cluster flags: (flag, ClusterSpec/override field, unit multiplier, type, help, required without --cluster).
 _CLUSTER_FLAGS = [
@@ -57,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar="FILE",
                    help="predict this config instead of ranking every layout: a shardwise, SMP or DeepSpeed config "
                         "file, read as `shardwise run` reads it (its precision and batch sizes too)")
+    p.add_argument("--training-args", metavar="ARGS",
+                   help="plan a Hugging Face Trainer run from its TrainingArguments: their JSON file, or the script's "
+                        "flags in one string (--training-args='--per_device_train_batch_size 8 --bf16'); they set the "
+                        "batch, precision and checkpointing, and --deepspeed among them the config (docs/hf.md)")
     p.add_argument("--checkpointing", choices=CHECKPOINTING, default="none",
                    help="with --config: the activation checkpointing the script applies (default none)")
     p.add_argument("--top", type=positive(int), default=10, metavar="K", help="rows of the table (default 10)")
@@ -134,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             config_format(args.out)
         spec = resolve_model(args.model, input_shape=args.input_shape, seq=args.seq)
-        if args.config:
+        if args.training_args:
+            result = trainer_plan(args, spec, _cluster(args))
+        elif args.config:
             result = _planned_config(args, spec, _cluster(args))
         else:
             result = plan(spec, _cluster(args), global_batch=args.global_batch, seq=args.seq, precision=args.precision)

@@ -70,8 +70,9 @@ class DeepSpeedPlan:
     data: dict[str, Any]
 
     @classmethod
-    def of(cls, args: transformers.TrainingArguments) -> "DeepSpeedPlan":
-        filled = fill_from_trainer(_read(args.deepspeed), trainer_arguments(args, world_size()))
+    def of(cls, args: transformers.TrainingArguments, world: Optional[int] = None) -> "DeepSpeedPlan":
+        """`args.deepspeed` after the first pass, for `world` processes (default: this run's)."""
+        filled = fill_from_trainer(_read(args.deepspeed), trainer_arguments(args, world or world_size()))
         if filled.problems:
             raise ConfigError(filled.problems)
         return cls(filled.data)
