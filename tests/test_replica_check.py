@@ -42,7 +42,7 @@ def train_and_nudge(config: dict, steps: int, nudge_rank: int, name: str) -> Non
 
 def failure(config: dict, steps: int, nudge_rank: int, name: str) -> str:
     with pytest.raises(DistributedTestError) as err:
-        run_distributed(train_and_nudge, 4, {**config, "replica_check_interval": 1}, steps, nudge_rank, name)
+        run_distributed(train_and_nudge, 4, {"replica_check_interval": 1, **config}, steps, nudge_rank, name)
     return str(err.value)
 
 
@@ -66,5 +66,8 @@ def test_a_norm_replicated_over_tensor_parallelism():
 
 
 def test_no_check_runs_between_intervals():
-    """Checked every 3 steps, a drift after the first of two steps goes unseen: the check costs nothing else."""
-    run_distributed(train_and_nudge, 4, {"replica_check_interval": 3}, 2, 1, "transformer.h.0.ln_1.weight")
+    """Checked every 3 steps, a drift after the first step is named after the third: no check ran after the
+    second (it would have named step 2), and the check does run on its interval."""
+    message = failure({"replica_check_interval": 3}, 3, 1, "transformer.h.0.ln_1.weight")
+    assert "replica check after step 3: parameter 'transformer.h.0.ln_1.weight' differs between ranks 0 and 1" \
+           in message
