@@ -2,8 +2,8 @@
 
 transformers promises nothing about these, so each is listed here with why shardwise.hf needs it, and
 `tests/test_hf_internals.py` checks each still exists with the parameters assumed and is still called where the
-Trainer's loop calls it: a transformers or accelerate upgrade that moves one fails there, by name. Tested with
-transformers 5.24 and accelerate 1.15.
+Trainer's loop calls it: a transformers or accelerate upgrade that moves one fails there, by name. Checked with
+transformers 5.3 and the newest (tests/test_hf_versions.py runs this smoke test on 5.3) and accelerate 1.15.
 
 Trainer methods overridden (trainer.py), by the Trainer method that calls each:
 

@@ -45,8 +45,8 @@ def _training_function(trainer: Any) -> Callable:
         if not _scaled_for_accumulation(trainer, count):
             loss = loss / trainer.current_gradient_accumulation_steps
         pieces = current("shardwise.hf").config.microbatches
-        # accelerate's backward divides by its accumulation steps (1 from transformers 5.x's later releases on, the
-        # Trainer's own before): the same gradients as the Trainer's backward in every version
+        # accelerate's backward divides by its accumulation steps (1 from transformers 5.5 on, the Trainer's own
+        # before): the same gradients as the Trainer's backward in every version
         scale = (pieces if count is not None else 1) / trainer.accelerator.gradient_accumulation_steps
         model.backward(loss * scale)  # with the token count each piece is its share: their sum
         return loss

@@ -288,7 +288,7 @@ class ShardwiseTrainerMixin:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         whole = self._shardwise_model.full_state_dict()  # a gather every rank joins
-        if self.args.should_save:  # transformers' _save writes on every rank that calls it (before 5.20)
+        if self.args.should_save:  # transformers' _save writes on every rank that calls it (before 5.24)
             self._save(output_dir, state_dict=whole)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
