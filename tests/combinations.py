@@ -57,6 +57,11 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
                                     "pipeline_schedule": "interleaved_1f1b"}),
     "pp-graph-tp": (4, 4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
                            "pipeline_cut": "graph"}),
+    # context parallelism: sequences split over 2 ranks beside 2 replicas (ring under DDP; all-to-all under ZeRO-3
+    # over dp_shard x cp); its attention splits the causal text families only, so it runs in VARIANT_ROWS
+    "cp": (4, 4, {"context_parallel_degree": 2}),
+    "cp-all-to-all-zero3": (4, 4, {"context_parallel_degree": 2, "context_parallel_mode": "all_to_all",
+                                   "sharded_data_parallel_degree": 2}),
 }
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 # What moves to host memory: nothing, the optimizer's states (and what it steps), or checkpointed regions' inputs.
@@ -80,6 +85,10 @@ VARIANT_ROWS = [
     ("mics-bf16-cross", "bert", "bf16", False, "none", "before", True, "optimizer"),
     ("pp-graph-interleaved", "bert", "fp32", True, "none", "after", True, "none"),
     ("pp-graph-tp", "gpt2", "fp32", False, "each", "before", True, "none"),
+    ("cp", "gpt2", "fp32", True, "each", "after", True, "none"),
+    ("cp", "llama", "bf16", False, "none", "before", False, "optimizer"),
+    ("cp-all-to-all-zero3", "llama", "fp32", True, "matmul", "after", True, "none"),
+    ("cp-all-to-all-zero3", "gpt2", "fp16", False, "each", "before", False, "activations"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {

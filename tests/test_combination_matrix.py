@@ -18,7 +18,8 @@ every pair of values. For each row, the validation `check-config` runs decides:
 Rows the matrix once found wrong (`REGRESSIONS`) run besides the covering array, and so do
 a few rows of layout variants (`VARIANTS`: MiCS with its cross-group all-reduce in bf16,
 compared within that reduction's own tolerance; the module-graph pipeline cut with two stages
-per rank and with tensor-parallel stages).
+per rank and with tensor-parallel stages; context parallelism, ring under DDP and all-to-all under ZeRO-3, whose
+attention splits the causal text families).
 
 `python bench/combinations.py` runs the full product and writes docs/combinations.md.
 """

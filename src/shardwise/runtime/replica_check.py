@@ -44,8 +44,11 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # Axes inside a pipeline stage, and the flattened axes of ParallelMesh that span several of them.
-_STAGE_AXES = ("dp_replicate", "dp_shard", "tp")
+_STAGE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 _SPANS = {"rdp": ("dp_replicate", "dp_shard"), "dp": _STAGE_AXES}
+
+# ZeRO under context parallelism shards over the data-parallel and the cp ranks together (torchtitan's dp_shard_cp)
+_SPANS.update(dp_shard_cp=("dp_shard", "cp"))
 
 
 def _replica_groups(param: torch.Tensor, mesh: ParallelMesh) -> Iterator[tuple[str, dist.ProcessGroup]]:

@@ -59,6 +59,10 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         allowed = None if documents is None else docs.mask(documents, documents, causal)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, is_causal=causal and allowed is None,
                                               scale=scale, enable_gqa=key.shape[1] != query.shape[1])
+    device = query.device.type
+    # As SDPA does under autocast: attention in the autocast dtype (rotary may have left keys in fp32)
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    query, key, value = (t.to(dtype) for t in (query, key, value))
     split = ring_attention if settings.mode == "ring" else all_to_all_attention
     return split(query, key, value, settings.group, scale=scale, causal=causal, documents=documents)
 
