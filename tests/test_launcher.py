@@ -36,6 +36,7 @@ if rank == 1:
         print(f"rank 1 progress {i}", file=sys.stderr)
     raise SystemExit("rank 1 gave up: loss is NaN")
 time.sleep(60)
+print("rank 0 slept to the end", flush=True)
 """
 
 
@@ -107,10 +108,8 @@ def test_two_ranks_get_config_env_and_their_own_log_files(tmp_path, capsys):
 def test_failing_rank_sets_exit_code_and_shows_its_last_lines(tmp_path, capsys):
     script = _write(tmp_path, "train.py", FAIL_SCRIPT)
     run_dir = tmp_path / "run"
-    start = time.monotonic()
     code = main(["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), script])
     out, err = capsys.readouterr()
-    assert time.monotonic() - start < 30  # rank 0 (sleeping) was stopped, not waited for
     assert code == 1
     lines = err.splitlines()
     first = lines.index("shardwise run: rank 1 (node 0, local rank 1) failed first (exit code 1)")
@@ -120,6 +119,7 @@ def test_failing_rank_sets_exit_code_and_shows_its_last_lines(tmp_path, capsys):
     assert "also failed: rank 0 (killed by SIGTERM)" in err
     assert "Traceback" not in err and "ChildFailedError" not in err
     assert "rank 0 started" in out and "rank 1 started" not in out
+    assert "slept to the end" not in out  # rank 0 was stopped in its sleep, not waited for
 
 
 def test_exit_code_of_the_failing_rank_is_passed_through(tmp_path, capsys):
@@ -143,9 +143,8 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     run_dir = tmp_path / "run"
     proc = _cli("run", "--nproc-per-node", "2", "--run-dir", str(run_dir), script)
     logs = [run_dir / f"logs/rank{r}/stdout.log" for r in range(2)]
-    deadline = time.monotonic() + 60
-    while not all(p.is_file() and p.read_text().strip() for p in logs):
-        assert time.monotonic() < deadline and proc.poll() is None
+    while not all(p.is_file() and p.read_text().strip() for p in logs):  # the ranks end their sleep in any case
+        assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     pids = [int(p.read_text()) for p in logs]
     proc.send_signal(signal.SIGINT)

@@ -99,11 +99,10 @@ def test_output_is_quiet_on_success(capfd):
 
 def test_exception_names_rank_and_message_and_pool_is_replaced():
     before = run_distributed(os.getpid, 2)
-    start = time.monotonic()
-    with pytest.raises(DistributedTestError) as info:
+    with pytest.raises(DistributedTestError) as info:  # waiting for rank 0, blocked on rank 1, would time out
         run_distributed(_print_and_fail_on_rank_one, 2, timeout=60)
-    assert time.monotonic() - start < 30  # rank 0, blocked on rank 1, did not hang the caller
     message = str(info.value)
+    assert "did not finish within" not in message
     assert "_print_and_fail_on_rank_one failed on rank 1 of 2: ValueError: boom on rank 1" \
         in message
     assert 'raise ValueError("boom on rank 1")' in message  # the remote traceback
@@ -121,15 +120,15 @@ def test_dead_worker_is_reported_and_replaced():
 
 
 def test_hang_raises_timeout_with_stacks_and_next_call_works():
-    start = time.monotonic()
+    before = run_distributed(os.getpid, 2)
     with pytest.raises(TimeoutError) as info:
         run_distributed(_sleep_on_rank_zero, 2, timeout=2.0)
-    assert time.monotonic() - start < 2.0 + 10
     message = str(info.value)
     assert ("_sleep_on_rank_zero did not finish within 2.0s on ranks [0] of 2; "
             "ranks [1] had returned and were waiting for them") in message
     if sys.platform != "win32":
         assert "in _sleep_on_rank_zero" in message  # rank 0's stack, dumped before the kill
+    assert not set(run_distributed(os.getpid, 2)) & set(before)  # the sleeping worker was killed, not waited for
     assert run_distributed(_all_reduce_rank_plus_one, 2) == [3.0, 3.0]
 
 
@@ -175,7 +174,8 @@ def test_workers_exit_when_the_parent_dies():
     out = subprocess.run([sys.executable, "-c", _ORPHANING_PARENT], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     pids = [int(p) for p in out.split()]
-    deadline = time.monotonic() + 10
-    while any(map(_running, pids)) and time.monotonic() < deadline:
+    for _ in range(600):  # a guard against a hang only: the workers poll for their parent
+        if not any(map(_running, pids)):
+            break
         time.sleep(0.2)
     assert not any(map(_running, pids))

@@ -486,24 +486,23 @@ def _group_timeout() -> dict:
     group = dist.new_group([0, 1], group_desc="pair")
     name, (found, desc, ranks) = next((n, g) for n, g in process_groups().items() if g[0] is group)
     set_group_timeout(group, timedelta(seconds=1))
-    seconds = None
+    error = None
     if dist.get_rank() == 0:
-        start = time.monotonic()
-        with pytest.raises(RuntimeError, match="Timed out"):
+        with pytest.raises(RuntimeError, match="Timed out") as raised:
             dist.all_reduce(torch.ones(1), group=group)
-        seconds = time.monotonic() - start
+        error = str(raised.value)
     else:
         time.sleep(4)
     return {"desc": desc, "ranks": ranks, "world_listed": dist.group.WORLD in [g for g, _, _ in
                                                                                process_groups().values()],
-            "seconds": seconds}
+            "error": error}
 
 
 def test_set_group_timeout_shortens_a_new_groups_wait_and_process_groups_lists_it():
     """A group made after the world waits torch's 30 minutes unless its timeout is set."""
     first, second = run_distributed(_group_timeout, 2, timeout=120)
     assert first["desc"] == "pair" and first["ranks"] == [0, 1] and first["world_listed"]
-    assert 1 <= first["seconds"] < 3.5, first
+    assert "Timed out waiting 1000ms" in first["error"], first  # gloo names the timeout it waited
 
 
 def test_torch_dispatch_mode_sees_every_aten_call():
