@@ -76,6 +76,14 @@ def test_pipeline_trains_evaluates_and_predicts_as_one_process(reference_one_bat
     assert_same(ranks, reference_one_batch)
 
 
+def test_sequence_parallel_trains_and_evaluates_as_one_process(reference_one_batch, tmp_path):
+    """Tensor parallelism over 2 ranks with sequence parallelism (the activations between the tensor-parallel
+    blocks split along the sequence): one replica, one batch per step."""
+    layout = {"tensor_parallel_degree": 2, "prescaled_batch": True, "sequence_parallel": True}
+    ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, timeout=300)
+    assert_same(ranks, reference_one_batch)
+
+
 def test_pipeline_with_zero3_trains_as_one_process(reference, tmp_path):
     layout = {"pipeline_parallel_degree": 2, "microbatches": 2, "sharded_data_parallel_degree": 2}
     ranks = run_distributed(run, 4, "shardwise", str(tmp_path), MICRO, layout, timeout=300)
