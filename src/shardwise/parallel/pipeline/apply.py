@@ -23,7 +23,7 @@ from ..tensor import PlanLike, TensorParallelPlan, plan_for
 from ..tensor.plan import match
 from .partition import partition
 from .runner import PipelineParallel
-from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
+from .schedule import SPLIT_BACKWARD, stage_ranks
 from .settings import PipelineSettings
 from .stage import Elsewhere, StageModule, prune, stage_view
 from .ties import TiedWeights, tied_groups
@@ -78,9 +78,5 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSetti
         stage.install_hooks()
         wrapped.append(strategy.module)
     binding = zero1(deferred=ties.held()) if zero1 is not None else None
-    runner = PipelineParallel(model, stages, wrapped, ties, pp_mesh.get_group(), settings.round, device,
-                              binding=binding)
-    pipeline_stages = [EvalSafeStage(module, stage.index, total, device, group=pp_mesh.get_group())
-                       for module, stage in zip(wrapped, stages)]
-    runner.schedule = build_schedule(settings.schedule, pipeline_stages, settings.round, runner.loss)
-    return runner
+    return PipelineParallel(model, stages, wrapped, ties, pp_mesh.get_group(), settings.schedule, total,
+                            settings.round, device, binding=binding)

@@ -39,7 +39,7 @@ from .graph_cut import captured, cut_graph
 from .graph_stage import GraphStage, Wiring, join_stages
 from .graph_tensor import GraphTensorParallel
 from .runner import PipelineParallel, StageModules
-from .schedule import SPLIT_BACKWARD, EvalSafeStage, build_schedule, stage_ranks
+from .schedule import SPLIT_BACKWARD, stage_ranks
 from .settings import PipelineSettings
 from .ties import TiedWeights
 
@@ -194,12 +194,8 @@ class GraphPipeline(Strategy):
             wrapped.append(strategy.module)
         binding = self.zero1(deferred=ties.held()) if self.zero1 is not None else None
         total, device = pp_mesh.size() * settings.stages_per_rank, mesh_device(self.mesh)
-        runner = PipelineParallel(inner, stages, wrapped, ties, pp_mesh.get_group(), settings.round, device,
-                                  signature=signature, binding=binding)
-        runner.schedule = build_schedule(settings.schedule, [
-            EvalSafeStage(module, stage.index, total, device, group=pp_mesh.get_group())
-            for module, stage in zip(wrapped, stages)], settings.round, runner.loss)
-        return runner
+        return PipelineParallel(inner, stages, wrapped, ties, pp_mesh.get_group(), settings.schedule, total,
+                                settings.round, device, signature=signature, binding=binding)
 
 
 def _refuse_copies_on_one_rank_with_replicas(tied: list[tuple[list[str], list[int]]], ranks: list[int], dp: int,

@@ -24,6 +24,7 @@ from ..clipping import clip_grad_norm_
 from ..strategy import NOT_HERE, OptimizerBinding, Pieces, Strategy
 from ..tensor import loss_context
 from . import schedule as schedules
+from .schedule import EvalSafeStage, build_schedule
 from .calls import OutputsModel, call_with, capture
 from .ties import TiedWeights
 
@@ -83,12 +84,13 @@ class PipelineParallel(Strategy):
 
     runs_whole_step = True
 
-    def __init__(self, inner: nn.Module, stages: list[Any], wrapped: list[nn.Module],
-                 ties: TiedWeights, pp_group: dist.ProcessGroup, per_round: int, device: torch.device,
+    def __init__(self, inner: nn.Module, stages: list[Any], wrapped: list[nn.Module], ties: TiedWeights,
+                 pp_group: dist.ProcessGroup, schedule: str, total: int, per_round: int, device: torch.device,
                  signature: Optional[inspect.Signature] = None, binding: Optional[OptimizerBinding] = None):
-        """`stages`: this rank's `StageModule`s (or graph stages); `device`: this rank's; `signature`: the model's
-        forward's, which names the inputs (default `inner.forward`'s); `binding`: ZeRO-1's, where the composition
-        chose it."""
+        """`stages`: this rank's `StageModule`s (or graph stages), `wrapped` what each runs; `schedule`: torch's
+        schedule name, over `total` stages, `per_round` microbatches at a time; `device`: this rank's; `signature`:
+        the model's forward's, which names the inputs (default `inner.forward`'s); `binding`: ZeRO-1's, where the
+        composition chose it."""
         super().__init__(StageModules(wrapped), inner, binding=binding)  # inner: this rank's stages, names unsplit
         self.device = device
         self.signature = signature or inspect.signature(inner.forward)
@@ -97,7 +99,9 @@ class PipelineParallel(Strategy):
         self.pp_group = pp_group
         self.per_round = per_round  # microbatches each run of the schedule takes (config.pipeline_round)
         self.holds_loss = any(stage.is_last for stage in stages)
-        self.schedule: Any = None  # set by apply_pipeline once the PipelineStages exist
+        self.schedule = build_schedule(schedule, [
+            EvalSafeStage(module, stage.index, total, device, group=pp_group)
+            for module, stage in zip(wrapped, stages)], per_round, self.loss)
         self._step: Optional[dict[str, Any]] = None  # the @step call being run
 
     def microbatch_context(self, last: bool) -> ContextManager:
