@@ -72,10 +72,15 @@ CASES = {
         {"sequence_parallel": True}, None,
         "sequence_parallel=True: needs tensor_parallel_degree > 1 (it shards what tensor parallelism leaves whole); "
         "fix: set tensor_parallel_degree to 2 or more, or drop sequence_parallel"),
-    "sequence parallelism with pipeline stages": (
-        {"sequence_parallel": True, "tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, None,
-        "sequence_parallel=True: is not available with pipeline_parallel_degree > 1 yet; "
-        "fix: drop sequence_parallel, or set pipeline_parallel_degree to 1"),
+    "sequence parallelism with pipeline stages in fp16": (
+        {"sequence_parallel": True, "tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "fp16": True}, None,
+        "sequence_parallel=True: is not available with fp16 under a pipeline yet (it does not train the same "
+        "weights as one process there); fix: use bf16, or drop sequence_parallel"),
+    "sequence parallelism with a module-graph pipeline cut": (
+        {"sequence_parallel": True, "tensor_parallel_degree": 2, "pipeline_parallel_degree": 2,
+         "pipeline_cut": "graph"}, None,
+        "sequence_parallel=True: is not available with pipeline_cut 'graph' yet; "
+        "fix: cut along the blocks (pipeline_cut: blocks), or drop sequence_parallel"),
     "ddp off with several replicas": (
         {"ddp": False}, (1, 4),
         "ddp=False: gradients must be synchronised across the 4 data-parallel ranks"),

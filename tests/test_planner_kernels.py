@@ -119,3 +119,14 @@ def test_sharding_under_a_pipeline_reduces_once_per_round():
     assert moved(parsed, "all-gather") == pytest.approx(2 * params)              # bf16, once
     zero3 = parse_config({**parsed.model_dump(exclude_defaults=True), "zero_stage": 3})
     assert moved(zero3, "all-gather") == pytest.approx((2 + 1) * 2 * params)     # two warm-up forwards, one backward
+
+
+def test_sequence_parallel_stages_send_sequence_shards():
+    base = {"bf16": True, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 4, "microbatches": 4}
+    layout = Layout(pp=2, tp=4)
+    whole, shards = (predict_step_time(LLAMA, parse_config({**base, "sequence_parallel": sp}), layout, NODE, 1, 4096)
+                     for sp in (False, True))
+    def sent(t):
+        return sum(c.bytes_per_step for c in t.collectives if c.name.startswith("activation send"))
+    assert sent(shards) == pytest.approx(sent(whole) / 4)
+    assert shards.pipeline_p2p < whole.pipeline_p2p
