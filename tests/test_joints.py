@@ -7,9 +7,10 @@ import ast
 import pathlib
 
 import pytest
+from torch import nn
 
 from shardwise.config import parse_config
-from shardwise.config.decisions import Decisions
+from shardwise.config.decisions import Decisions, Wrapping
 from shardwise.config.effects import ineffective_settings
 from shardwise.config.layout import layout_for
 from shardwise.planner import wrapping as planned
@@ -95,3 +96,24 @@ def test_mics_keys_are_named_ineffective_where_no_world_could_run_the_cross_grou
     alone = parse_config({"sharded_data_parallel_degree": 2, "cross_group_reduce_dtype": "bf16"})
     assert "cross_group_reduce_dtype" in dict(ineffective_settings(under_pipeline))
     assert "cross_group_reduce_dtype" not in dict(ineffective_settings(alone))
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    for name in ("WORLD_SIZE", "MASTER_ADDR", "SHARDWISE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    import shardwise as sw
+    sw.shutdown()
+
+
+@pytest.mark.parametrize("config,forced,expected", [({}, Wrapping.SHARDED, "FSDP"),
+                                                    ({"zero_stage": 3}, Wrapping.SINGLE, "Linear")])
+def test_the_runtime_wraps_as_the_decisions_object_says(one_process, monkeypatch, config, forced, expected):
+    """Each config alone would get the other wrapping; told otherwise by the object alone, the runtime follows it."""
+    import shardwise as sw
+
+    monkeypatch.setattr(Decisions, "wrapping", lambda self, trains=True: forced)
+    sw.init(config)
+    model = sw.DistributedModel(nn.Linear(4, 4))
+    assert type(model.module).__name__.startswith(expected)
