@@ -74,7 +74,8 @@ def attention_traffic(mode: str, cp: int, seq: int, documents: bool, heads: int 
     ids = torch.arange(seq).div(seq // 4, rounding_mode="floor").unsqueeze(0) if documents else None
     split = ring_attention if mode == "ring" else all_to_all_attention
     with WireBytes(group) as forward:
-        out = split(*local, group, scale=head_dim ** -0.5, documents=None if ids is None else shard(ids, 1, cp_rank, cp))
+        out = split(*local, group, scale=head_dim ** -0.5,
+                    documents=None if ids is None else shard(ids, 1, cp_rank, cp))
     with WireBytes(group) as backward:
         out.backward(torch.ones_like(out))
     theory = wire_bytes(mode, cp, AttentionShape(1, seq, heads, kv_heads, head_dim, 4, documents))

@@ -59,7 +59,9 @@ class UserModel(nn.Module):
         for block in self.blocks:
             x = x + block(x, document_ids)
         logits = self.head(x)
-        loss = None if labels is None else nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        if labels is None:
+            return type("Output", (), {"logits": logits, "loss": None})
+        loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         return type("Output", (), {"logits": logits, "loss": loss})
 
 
@@ -76,7 +78,8 @@ def tiny(kind: str) -> nn.Module:
         return hf.GPT2LMHeadModel(config)
     llama_like = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=SEQ, **common)
-    config, model = {"llama": (hf.LlamaConfig, hf.LlamaForCausalLM), "mistral": (hf.MistralConfig, hf.MistralForCausalLM),
+    config, model = {"llama": (hf.LlamaConfig, hf.LlamaForCausalLM),
+                     "mistral": (hf.MistralConfig, hf.MistralForCausalLM),
                      "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM)}[kind]
     return model(config(**llama_like))
 

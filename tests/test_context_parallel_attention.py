@@ -2,10 +2,12 @@
 
 Each rank holds its load-balanced share of the sequence; outputs and the gradients of queries, keys and values,
 gathered back into sequence order, must equal SDPA over the whole sequence (causal, grouped-query heads, and packed
-documents that must not see each other).
+documents that must not see each other), the ring also with the plain-ops block devices without a fused kernel use.
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from shardwise.parallel.context import documents as docs
 from shardwise.parallel.context.all_to_all import all_to_all_attention
+from shardwise.parallel.context import ring
 from shardwise.parallel.context.ring import ring_attention
 from shardwise.parallel.context.sharding import global_positions, shard, shard_batch, unshard
 from shardwise.testing import run_distributed
@@ -30,7 +33,7 @@ def _reference(q, k, v, documents, grad):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _split(mode: str, cp: int, packed: bool) -> float:
+def _split(mode: str, cp: int, packed: bool, fused: bool = True) -> float:
     """The largest difference from one process for this rank's group of `cp` (world split into 4/cp groups)."""
     rank = dist.get_rank()
     groups = [dist.new_group(list(range(start, start + cp))) for start in range(0, 4, cp)]
@@ -42,8 +45,10 @@ def _split(mode: str, cp: int, packed: bool) -> float:
     want = _reference(q, k, v, documents, grad)
     local = [shard(t, 2, cp_rank, cp).requires_grad_() for t in (q, k, v)]
     split = ring_attention if mode == "ring" else all_to_all_attention
-    out = split(*local, group, scale=DIM ** -0.5, causal=True,
-                documents=None if documents is None else shard(documents, 1, cp_rank, cp))
+    with mock.patch.dict(ring.FUSED_KERNELS, {} if fused else {"cpu": (ring.math_attention,
+                                                                       ring.math_attention_backward)}):
+        out = split(*local, group, scale=DIM ** -0.5, causal=True,
+                    documents=None if documents is None else shard(documents, 1, cp_rank, cp))
     out.backward(shard(grad, 2, cp_rank, cp))
     errors = []
     for got, expected in zip([out.detach()] + [t.grad for t in local], want):
@@ -54,8 +59,12 @@ def _split(mode: str, cp: int, packed: bool) -> float:
 
 
 def split_errors() -> dict:
-    return {(mode, cp, packed): _split(mode, cp, packed)
-            for mode in ("ring", "all_to_all") for cp in (2, 4) for packed in (False, True)}
+    errors = {(mode, cp, packed): _split(mode, cp, packed)
+              for mode in ("ring", "all_to_all") for cp in (2, 4) for packed in (False, True)}
+    # the plain-ops block other devices use, run here on CPU
+    errors.update({("ring-math", cp, packed): _split("ring", cp, packed, fused=False)
+                   for cp in (2, 4) for packed in (False, True)})
+    return errors
 
 
 def test_ring_and_all_to_all_equal_one_process_attention_and_gradients():

@@ -23,7 +23,8 @@ def context_problems(config: ShardwiseConfig, ranks: int) -> list[Problem]:
     if ranks % cp:
         return [Problem(KEY, cp, f"must divide the {ranks} ranks left by tensor and pipeline parallelism "
                         "(world / (tensor_parallel_degree × pipeline_parallel_degree)): every sequence is split "
-                        "over cp ranks and the rest is data parallelism", f"use a divisor of {ranks}: {_divisors(ranks)}")]
+                        "over cp ranks and the rest is data parallelism",
+                        f"use a divisor of {ranks}: {_divisors(ranks)}")]
     return []
 
 

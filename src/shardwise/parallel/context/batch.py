@@ -43,7 +43,8 @@ class SequenceSplit:
         whole = {key: kwargs.pop(key, None) for key in _SPLIT}
         labels = kwargs.pop("labels", None)
         kwargs.setdefault("use_cache", False)  # a cache would keep this rank's keys only, and nothing reads it
-        inputs, self.labels = shard_batch(whole["input_ids"], dist.get_rank(self.group), dist.get_world_size(self.group),
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        inputs, self.labels = shard_batch(whole["input_ids"], rank, size,
                                           labels=labels, position_ids=whole["position_ids"],
                                           cu_seqlens=whole["cu_seqlens"])
         return (), {**kwargs, **inputs}

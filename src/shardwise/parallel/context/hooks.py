@@ -57,8 +57,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     settings: ContextSettings | None = getattr(module, _SETTINGS, None)
     if settings is None:
         allowed = None if documents is None else docs.mask(documents, documents, causal)
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, is_causal=causal and allowed is None,
-                                              scale=scale, enable_gqa=key.shape[1] != query.shape[1])
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
+                                              is_causal=causal and allowed is None, scale=scale, enable_gqa=key.shape[1] != query.shape[1])
     device = query.device.type
     # As SDPA does under autocast: attention in the autocast dtype (rotary may have left keys in fp32)
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
