@@ -51,9 +51,9 @@ def train_step(model, inputs, targets):
     return loss
 
 for index in range({steps}):
-    print(f"step {{index}} starts at {{time.time()}}", flush=True)
     if {fault} and index == 2 and sw.rank() == 1:
         time.sleep(60)  # busy elsewhere: never joins this step's gradient all-reduce
+        print("rank 1 slept to the end", flush=True)
     start = (index * 2 + sw.dp_rank()) * {rows}
     optimizer.zero_grad()
     train_step(model, *data[start:start + {rows}])
@@ -70,9 +70,9 @@ sw.shutdown()
 """
 
 
-def _launch(tmp_path: Path, fault: bool) -> tuple[int, Path, float]:
+def _launch(tmp_path: Path, fault: bool) -> tuple[int, Path]:
     """Run the script through `shardwise run` with the small timeout, checkpoints to `tmp_path/ckpt`, what
-    they hold to `tmp_path/saved.pt`; the exit code, run dir, time it ended."""
+    they hold to `tmp_path/saved.pt`; the exit code and run dir."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(tests=str(Path(__file__).parent), steps=STEPS, rows=ROWS,
                                                     fault=fault)))
@@ -80,12 +80,12 @@ def _launch(tmp_path: Path, fault: bool) -> tuple[int, Path, float]:
     code = main(["run", "--nproc-per-node", str(WORLD), "--set", f"collective_timeout_seconds={TIMEOUT}",
                  "--run-dir", str(run_dir), str(script), str(tmp_path / "state.pt"), str(tmp_path / "ckpt"),
                  str(tmp_path / "saved.pt")])
-    return code, run_dir, time.time()
+    return code, run_dir
 
 
 def test_watched_run_without_faults_trains_as_one_process_and_ends_cleanly(tmp_path, capsys):
     want = train_reference("stack", "adamw", STEPS, ROWS * WORLD)["state"]
-    code, run_dir, _ = _launch(tmp_path, fault=False)
+    code, run_dir = _launch(tmp_path, fault=False)
     assert code == 0, capsys.readouterr().err
     state = torch.load(tmp_path / "state.pt")
     for name, value in want.items():
@@ -94,11 +94,11 @@ def test_watched_run_without_faults_trains_as_one_process_and_ends_cleanly(tmp_p
 
 
 def test_a_rank_that_skips_a_collective_is_named_within_the_timeout(tmp_path, capsys):
-    code, run_dir, ended = _launch(tmp_path, fault=True)
+    code, run_dir = _launch(tmp_path, fault=True)
     err = capsys.readouterr().err
     assert code == 1, err
-    hang_began = float((run_dir / "logs" / "rank0" / "stdout.log").read_text().split("step 2 starts at ")[1].split()[0])
-    assert ended - hang_began < TIMEOUT + 20, f"the job took {ended - hang_began:.0f} s to end after the hang"
+    # The job ended while rank 1 still slept (it was stopped, not waited for), on rank 0's timeout.
+    assert "slept to the end" not in (run_dir / "logs" / "rank1" / "stdout.log").read_text()
     line = next(line for line in err.splitlines() if "shardwise.CollectiveTimeout" in line)
     assert "rank 0 (node 0, local rank 0) failed first" in err, err
     assert " timed out after 3 s on rank 0; rank 1 never joined it (its last in that group: #" in line, line
@@ -113,14 +113,13 @@ def test_a_rank_that_skips_a_collective_is_named_within_the_timeout(tmp_path, ca
 
 
 def _rank_0_all_reduces_while_rank_1_sleeps(group: dist.ProcessGroup, sleep: float) -> dict:
-    """Whether rank 0's all-reduce in `group` timed out while rank 1 slept `sleep` s, and after how long."""
+    """Whether rank 0's all-reduce in `group` timed out while rank 1 slept `sleep` s, and its error."""
     result = {"ranks": dist.get_process_group_ranks(group)}
     if dist.get_rank() == 0:
-        start = time.monotonic()
         try:
             dist.all_reduce(torch.ones(1), group=group)
         except RuntimeError as error:
-            result.update(timed_out=is_collective_timeout(error), seconds=time.monotonic() - start)
+            result.update(timed_out=is_collective_timeout(error), error=str(error))
     elif dist.get_rank() == 1:
         time.sleep(sleep)
     sw.shutdown(wait=False)
@@ -143,10 +142,10 @@ def test_mesh_groups_wait_the_configured_timeout_not_torchs_default():
     """Groups a DeviceMesh makes keep torch's 30-minute default unless shardwise sets theirs."""
     first = run_distributed(_time_a_tensor_parallel_collective_rank_1_skips, 4, timeout=120)[0]
     assert first["ranks"] == [0, 1] and first["timed_out"], first
-    assert TIMEOUT <= first["seconds"] < 2 * TIMEOUT, first
+    assert f"Timed out waiting {TIMEOUT * 1000}ms" in first["error"], first  # gloo names the timeout it waited
 
 
 def test_groups_made_after_init_wait_the_configured_timeout():
     """torch's new_group would wait 30 minutes; the checkpoint group waits collective_timeout_seconds."""
     first = run_distributed(_time_a_checkpoint_group_collective_rank_1_skips, 2, timeout=120)[0]
-    assert first["timed_out"] and TIMEOUT <= first["seconds"] < 2 * TIMEOUT, first
+    assert first["timed_out"] and f"Timed out waiting {TIMEOUT * 1000}ms" in first["error"], first
