@@ -11,6 +11,8 @@ batch (the Trainer's batches are dealt to the model replicas), as transformers' 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hf_trainer_cases import assert_same, run
@@ -128,3 +130,22 @@ def test_fp16_trains_as_one_process_to_fp16_precision(reference, tmp_path):
     layout = {"sharded_data_parallel_degree": 2}
     ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, fp16=True, use_cpu=True, timeout=300)
     assert_same(ranks, reference, tolerance=5e-3, state_tolerance=3e-2)
+
+
+@pytest.mark.parametrize("world,layout", [(1, {}), (2, {"sharded_data_parallel_degree": 2})], ids=["one", "zero3"])
+def test_each_step_reaches_shardwise_metrics(world, layout, tmp_path):
+    """metrics_interval 1: each optimizer step's record (global.jsonl, what `shardwise report` reads) counts the
+    Trainer's rows over its micro-steps and ranks, and holds the learning rate and gradient norm the Trainer logs
+    and, on one rank, its loss (the rank's own: the Trainer logs the mean over ranks)."""
+    metrics = tmp_path / "metrics"
+    got = run_distributed(run, world, "shardwise", str(tmp_path), MICRO,
+                          {**layout, "metrics_interval": 1, "metrics_dir": str(metrics)}, evaluate=False,
+                          timeout=300)[0]
+    records = [json.loads(line) for line in (metrics / "global.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["samples"] for r in records] == [world * MICRO * 2] * 3  # gradient accumulation 2
+    assert all(r["tokens_per_s"] > 0 for r in records)
+    assert [r["lr"] for r in records] == got["lrs"]
+    assert [r["grad_norm"] for r in records] == pytest.approx(got["grad_norms"], rel=1e-6)
+    if world == 1:
+        assert [r["loss"] for r in records] == pytest.approx(got["losses"], rel=1e-6)

@@ -43,6 +43,7 @@ from ..api.optimizer import DistributedOptimizer
 from ..checkpoint.directory import complete_tags
 from ..checkpoint.resume import resume_from_checkpoint
 from ..checkpoint.save import save_checkpoint
+from ..observe.recorder import recorder_for
 from ..runtime import state
 from ..runtime.init import warn_ineffective
 from ..torch_internals import tree_map_only
@@ -138,6 +139,8 @@ class ShardwiseTrainerMixin:
 
     _shardwise_model: Optional[DistributedModel] = None
     _deepspeed: Optional[DeepSpeedPlan] = None
+    _recorded_step: Optional[int] = None  # the optimizer step whose loss shardwise's metrics are told (_record_loss)
+    _step_loss: Optional[torch.Tensor] = None
 
     # ----- the runtime and the accelerator -----
 
@@ -251,11 +254,25 @@ class ShardwiseTrainerMixin:
         return self.shardwise_model, train_dataloader
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        if self.shardwise_model.runs_whole_step:  # a pipeline: the micro-step through its schedule
-            return pipeline.training_step(self, self.shardwise_model, inputs, num_items_in_batch)
-        # The Trainer marks its accumulation boundary (sync_gradients) before each micro-step: gradients reduce there.
-        with self.shardwise_model.microbatch_context(last=self.accelerator.sync_gradients):
-            return super().training_step(model, inputs, num_items_in_batch)
+        if self.shardwise_model.runs_whole_step:  # a pipeline: the micro-step through its schedule (a @sw.step)
+            loss = pipeline.training_step(self, self.shardwise_model, inputs, num_items_in_batch)
+        else:
+            # The Trainer marks its accumulation boundary (sync_gradients) before each micro-step: gradients reduce
+            # there.
+            with self.shardwise_model.microbatch_context(last=self.accelerator.sync_gradients):
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            recorder_for(state.current()).batch_trained((), inputs)  # a @sw.step counts its own batch
+        self._record_loss(loss)
+        return loss
+
+    def _record_loss(self, loss: torch.Tensor) -> None:
+        """shardwise's metrics (`sw.metrics`, their sinks and report) get the optimizer step's loss on this rank:
+        the sum of its micro-steps' losses, as the Trainer adds them (the Trainer logs their mean over ranks)."""
+        if self._recorded_step != self.state.global_step:  # the first micro-step of an optimizer step
+            self._recorded_step, self._step_loss = self.state.global_step, loss.detach().clone()
+            recorder_for(state.current()).loss_returned(self._step_loss)  # read when the step is recorded
+        else:
+            self._step_loss += loss.detach()
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
