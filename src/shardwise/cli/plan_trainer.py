@@ -14,7 +14,7 @@ import sys
 
 from ..config.layout import validate
 from ..config.sources import read_deepspeed
-from ..planner import Plan, PlanError, evaluate, plan
+from ..planner import ClusterSpec, ModelSpec, Plan, PlanError, evaluate, plan
 
 
 def _refuse_overlaps(args: argparse.Namespace) -> None:
@@ -25,7 +25,7 @@ def _refuse_overlaps(args: argparse.Namespace) -> None:
             raise PlanError(f"{flag} does not go with --training-args: the TrainingArguments set it; drop {flag}")
 
 
-def trainer_plan(args: argparse.Namespace, spec, cluster) -> Plan:
+def trainer_plan(args: argparse.Namespace, spec: ModelSpec, cluster: ClusterSpec) -> Plan:
     """The plan for the Trainer run `args.training_args` describes (a JSON file or the script's flags)."""
     _refuse_overlaps(args)
     from ..hf.plan import trainer_run  # transformers, only for a Trainer run
