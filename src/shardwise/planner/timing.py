@@ -164,20 +164,20 @@ def _sharding_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: Layout
 
 def _pipelined_sharding_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, stage: int,
                                 gathered: float, grads: float) -> None:
-    """FSDP2 under a pipeline: torch's PipelineStage runs an FSDP2 stage's backward without gradient sync and
-    keeps it gathered after backward, then reduce-scatters once per round (its perform_reduce_grad). So a
-    round gathers once where forward keeps the gathered parameters (ZeRO-2, and ZeRO-3 under a schedule that
-    splits backward), else for every warm-up forward (at most pp before the first backward) and once more for
-    the first backward; it reduce-scatters once, with the last backward."""
+    """FSDP2 under a pipeline: each stage is one FSDP2 unit, which torch's PipelineStage runs without gradient
+    sync, keeps gathered after backward and reduce-scatters once per round (its perform_reduce_grad). So a round
+    gathers once where forward keeps the gathered parameters (ZeRO-2, and ZeRO-3 under a schedule that splits
+    backward), else for every warm-up forward (at most pp before the first backward) and once more for the first
+    backward; it reduce-scatters once, with the last backward (tests/test_planner_pipelined_sharding.py counts
+    them)."""
     m = config.microbatches
     split_backward = config.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
     keeps = Decisions(config, layout).reshard_after_forward(split_backward) is False
     gathers = 1 if keeps else min(config.pipeline_round, layout.pp)
-    calls = max(1, round(traffic.blocks * gathers / m))
-    traffic.add("forward", "all_gather", gathered * gathers / m, ("dp_shard",), "parameter", calls)
+    traffic.add("forward", "all_gather", gathered * gathers / m, ("dp_shard",), "parameter", 1)
     if not keeps:
-        traffic.add("backward", "all_gather", gathered / m, ("dp_shard",), "parameter", max(1, traffic.blocks // m))
-    traffic.add("sync", "reduce_scatter", grads, ("dp_shard",), "gradient", traffic.blocks)
+        traffic.add("backward", "all_gather", gathered / m, ("dp_shard",), "parameter", 1)
+    traffic.add("sync", "reduce_scatter", grads, ("dp_shard",), "gradient", 1)
 
 
 def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, spec: ModelSpec,
