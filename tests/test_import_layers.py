@@ -26,6 +26,7 @@ LAYERS = [
     {"api"},                                               # DistributedModel, DistributedOptimizer, @step
     {"nn", "amp", "utils", "patches", "deepspeed", "hf"},  # front ends: SMP v1, DeepSpeed, the Trainer
     {"launcher", "planner", "demo", "testing"},
+    {"tune"},                                              # trials of the planner's layouts through launches
     {"cli"},
 ]
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}

@@ -13,7 +13,7 @@ from ..checkpoint.legacy import local_tensors
 from ..checkpoint.save import save_checkpoint
 from ..observe.recorder import recorder_for
 from ..parallel.compose import ScalingRule, adopt_model_parameters
-from ..runtime import preemption
+from ..runtime import preemption, step_limit
 from ..runtime.init import warn_ineffective
 from ..runtime.non_finite import NonFiniteCheck
 from ..runtime.replica_check import check_replicas
@@ -259,6 +259,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 check_replicas(self._model.named_parameters(), self._runtime.mesh, self._runtime.device, self.steps)
         preemption.at_step_boundary(self._runtime, self.steps, lambda path, tag: save_checkpoint(
             path, tag, model=self._model, optimizer=self))
+        step_limit.at_step_boundary(self.steps)
         return result
 
     def _name_of(self, stepped: torch.Tensor) -> str:

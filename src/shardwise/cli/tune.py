@@ -1,0 +1,116 @@
+"""`shardwise tune`: the planner's best layouts for this node, each run with the user's own script for a few steps;
+the measured best written as a config `shardwise run --config` takes (docs/tune.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+from ..config.sources import load_dict
+from ..planner import CHECKPOINTING, MODEL_PRESETS, PlanError, cluster_preset, resolve_model
+from ..tune import METRICS, TuneSettings, candidates, tune
+from ..tune.results import TRIALS_FILE, append_trial, print_results, write_results
+from .flags import positive
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tune", help="run the planner's best layouts for a few steps each and keep the measured best",
+        description="Ask the planner for its ranked layouts of --model on this node, run the script under each of "
+                    "the top --trials as a real `shardwise run` stopped after --steps optimizer steps, measure step "
+                    "time after warm-up, throughput and peak memory per rank, name each failure (refused, "
+                    "out_of_memory, hang, crash, unmeasured) and go on. Writes <results>/trials.jsonl, one run "
+                    "directory per trial, best_config.json, best_cmd.txt and summary.json, and prints predicted vs "
+                    "measured per trial with Spearman's rho and the regret of the planner's pick. One node only. "
+                    "Exit 2 on bad input, 1 when no trial was measured.")
+    p.add_argument("--model", required=True, metavar="MODEL",
+                   help=f"the model the script trains, as `shardwise plan --model` takes it (a preset such as "
+                        f"{', '.join(sorted(MODEL_PRESETS)[:3])}, FAMILY[:key=value,...], a config.json path or "
+                        "module:function)")
+    p.add_argument("--nproc-per-node", type=positive(int), default=1, metavar="N", help="ranks per trial (default 1)")
+    p.add_argument("--nnodes", type=positive(int), default=1, metavar="M",
+                   help="nodes (only 1: tuning across nodes is not built)")
+    p.add_argument("--cluster", default="local", metavar="PRESET",
+                   help="the planner's description of this node's devices (default local: this machine's CPUs); "
+                        "e.g. p4d.24xlarge on such a node")
+    p.add_argument("--config", metavar="BASE",
+                   help="base config (shardwise, SMP or DeepSpeed file) the candidates' layout keys are set over")
+    p.add_argument("--global-batch", type=positive(int), metavar="B",
+                   help="sequences per step the planner plans for (default: one per rank); the script's own loader "
+                        "sets what runs")
+    p.add_argument("--seq", type=positive(int), metavar="S", help="tokens per sequence (default: the model's)")
+    p.add_argument("--checkpointing", choices=CHECKPOINTING, default="none",
+                   help="the activation checkpointing the script applies; candidates are planned with it")
+    p.add_argument("--trials", type=positive(int), default=3, metavar="K", help="candidates to run (default 3)")
+    p.add_argument("--steps", type=positive(int), default=3, metavar="S",
+                   help="optimizer steps per trial, warm-up included (default 3)")
+    p.add_argument("--warmup", type=int, default=1, metavar="W",
+                   help="first steps left out of the measurement (default 1)")
+    p.add_argument("--metric", choices=list(METRICS), default="throughput",
+                   help="what makes a trial best: samples/s (throughput, default), step time (latency) or the "
+                        "largest rank's peak memory (memory)")
+    p.add_argument("--time-budget", type=positive(float), metavar="SECONDS",
+                   help="start no trial after this many seconds")
+    p.add_argument("--trial-timeout", type=positive(float), default=600.0, metavar="SECONDS",
+                   help="a trial still running after this is stopped and named a hang (default 600)")
+    p.add_argument("--early-stopping", type=positive(int), metavar="N",
+                   help="stop after N trials in a row that do not beat the best")
+    p.add_argument("--results", default="tune_results", metavar="DIR", help="where results go (default tune_results)")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(handler=run)
+
+
+def _base_config(path: str | None) -> dict:
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always")
+        data = load_dict(path)
+    for note in notes:
+        print(f"shardwise tune: warning: {note.message}", file=sys.stderr)
+    return data
+
+
+def _precision(base: dict) -> str | None:
+    """The base config's precision, so the plan predicts what runs (None: the planner's default)."""
+    return next((name for name in ("bf16", "fp16") if base.get(name)), None)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nnodes != 1:
+        print("shardwise tune: --nnodes must be 1: tuning across nodes is not built; tune on one node", file=sys.stderr)
+        return 2
+    if not 0 <= args.warmup < args.steps:
+        print(f"shardwise tune: --warmup {args.warmup} must be 0 or more and below --steps {args.steps}, so that "
+              "some step is measured", file=sys.stderr)
+        return 2
+    results = Path(args.results)
+    if (results / TRIALS_FILE).exists():
+        print(f"shardwise tune: {results / TRIALS_FILE} exists; pass another --results or delete it",
+              file=sys.stderr)
+        return 2
+    base = _base_config(args.config)
+    try:
+        spec = resolve_model(args.model, seq=args.seq)
+        cluster = cluster_preset(args.cluster, nodes=1, devices_per_node=args.nproc_per_node)
+        chosen = candidates(spec, cluster, base, limit=args.trials, global_batch=args.global_batch, seq=args.seq,
+                            precision=_precision(base), checkpointing=args.checkpointing)
+    except PlanError as err:
+        print(f"shardwise tune: {err}", file=sys.stderr)
+        return 2
+    settings = TuneSettings(script=args.script, script_args=tuple(args.script_args), nproc=args.nproc_per_node,
+                            steps=args.steps, warmup=args.warmup, metric=args.metric, time_budget_s=args.time_budget,
+                            trial_deadline_s=args.trial_timeout, early_stopping=args.early_stopping, results=results)
+    print(f"shardwise tune: {len(chosen)} candidates of {spec.name} on {cluster.name}; results in {results}",
+          flush=True)
+
+    def report(row: dict) -> None:
+        append_trial(results, row)
+        outcome = row["failure"] or f"{row['measured_step_time_s']:.4f} s/step"
+        print(f"shardwise tune: trial {row['trial']} (plan #{row['plan_rank']}): {outcome}", flush=True)
+
+    result = tune(chosen, settings, on_trial=report)
+    best_path = write_results(result, settings)
+    print_results(result, settings, best_path)
+    return 0 if best_path else 1

@@ -1,0 +1,93 @@
+"""What a tuning run leaves: <results>/trials.jsonl (one line per trial, written as each ends), best_config.json
+(the best trial's config, which `shardwise run --config` takes as it is), best_cmd.txt (the command that runs
+it), summary.json (the planner's accuracy), and the table printed on the console."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from ..planner.hardware import GiB
+from .tuner import TuneResult, TuneSettings
+
+TRIALS_FILE = "trials.jsonl"
+BEST_CONFIG_FILE = "best_config.json"
+BEST_CMD_FILE = "best_cmd.txt"
+SUMMARY_FILE = "summary.json"
+
+
+def append_trial(results: Path, row: dict[str, Any]) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    with (results / TRIALS_FILE).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def best_command(settings: TuneSettings, config_path: Path) -> str:
+    return shlex.join(["shardwise", "run", "--nproc-per-node", str(settings.nproc), "--config",
+                       str(config_path.resolve()), settings.script, *settings.script_args])
+
+
+def write_results(result: TuneResult, settings: TuneSettings) -> Optional[Path]:
+    """best_config.json and best_cmd.txt when a trial was measured (their path, else None), and summary.json."""
+    settings.results.mkdir(parents=True, exist_ok=True)
+    summary = {"metric": settings.metric, "stopped": result.stopped, "best_trial": result.best and result.best["trial"],
+               **asdict(result.accuracy)}
+    (settings.results / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    if result.best is None:
+        return None
+    path = settings.results / BEST_CONFIG_FILE
+    path.write_text(json.dumps(result.best["config"], indent=2) + "\n", encoding="utf-8")
+    (settings.results / BEST_CMD_FILE).write_text(best_command(settings, path) + "\n", encoding="utf-8")
+    return path
+
+
+def _num(value: Optional[float], fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _layout(row: dict[str, Any]) -> str:
+    shown = " ".join(f"{k}={v}" for k, v in row["layout"].items() if v != 1)
+    stage = row["config"].get("zero_stage") or (1 if row["config"].get("shard_optimizer_state") else 0)
+    return (shown or "one replica") + (f" zero{stage}" if stage else "")
+
+
+def trials_table(rows: Sequence[dict[str, Any]], best: Optional[dict[str, Any]]) -> Table:
+    table = Table(title="trials (predicted vs measured; error = predicted / measured - 1)", title_justify="left")
+    for name in ("#", "plan", "layout", "pred s", "step s", "err", "pred GiB", "peak GiB", "err", "samples/s",
+                 "result"):
+        table.add_column(name, justify="left" if name in ("layout", "result") else "right")
+    for row in rows:
+        result = "best" if best is row else ("ok" if row["failure"] is None else row["failure"])
+        table.add_row(str(row["trial"]), str(row["plan_rank"]), _layout(row),
+                      _num(row["predicted_step_time_s"], ".4f"), _num(row["measured_step_time_s"], ".4f"),
+                      _num(row["step_time_error"], "+.0%"), _num(row["predicted_memory_bytes"] / GiB, ".2f"),
+                      _num(row["max_memory_bytes"] and row["max_memory_bytes"] / GiB, ".2f"),
+                      _num(row["memory_error"], "+.0%"), _num(row["samples_per_s"], ".1f"), result)
+    return table
+
+
+def print_results(result: TuneResult, settings: TuneSettings, best_path: Optional[Path],
+                  console: Optional[Console] = None) -> None:
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    console.print(trials_table(result.rows, result.best))
+    for row in result.rows:
+        if row["failure"]:
+            console.print(f"trial {row['trial']} {row['failure']}: {row['message']}", markup=False, highlight=False)
+    a = result.accuracy
+    console.print(f"planner: Spearman rho {_num(a.spearman_step_time, '.2f')} over {a.trials} measured trials; "
+                  f"regret of its pick {_num(a.regret, '.2f')}; mean |error| step time "
+                  f"{_num(a.mean_abs_step_time_error, '.0%')}, memory {_num(a.mean_abs_memory_error, '.0%')}",
+                  markup=False, highlight=False)
+    console.print(f"stopped: {result.stopped}", markup=False, highlight=False)
+    if best_path is None:
+        console.print(f"no trial was measured; see {settings.results / TRIALS_FILE}", markup=False, highlight=False)
+    else:
+        console.print(f"best ({settings.metric}): trial {result.best['trial']}; config {best_path}; run it with: "
+                      f"{best_command(settings, best_path)}", markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,139 @@
+"""One trial: the user's script launched through `shardwise run` with one candidate config, stopped after a few
+optimizer steps (runtime/step_limit.py), measured from its run directory, or its failure named.
+
+A trial runs as a child `shardwise run`, so that whatever the script does (crash, run out of memory, hang) ends
+that launch and not the tuning run. Failure kinds: `refused` (the config is refused by validation on this
+cluster, before any rank starts, or by the runtime at `sw.init`), `out_of_memory` (an allocator's out-of-memory
+error or a rank killed by SIGKILL, as the kernel's OOM killer does), `hang` (no end by the trial's deadline: the
+launch is stopped with SIGTERM, which stops every rank), `crash` (any other failing exit), `unmeasured` (it ended
+without recording a step after warm-up: the script takes fewer steps, or steps no DistributedOptimizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from ..config import ConfigError
+from ..config.layout import validate
+from ..runtime.step_limit import STOP_AFTER_STEPS_ENV
+from ..topology import Cluster
+from .measure import Measurement, measure_run
+
+FAILURE_KINDS = ("refused", "out_of_memory", "hang", "crash", "unmeasured")
+_OOM_SIGNS = ("OutOfMemoryError", "out of memory", "MemoryError", "exit code -9", "SIGKILL")
+_REFUSED_SIGNS = ("ConfigError",)
+_STOP_GRACE_SECONDS = 30
+_CLI = "import sys; from shardwise.cli import main; sys.exit(main())"
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    run_dir: Path
+    exit_code: Optional[int]
+    seconds: float
+    measurement: Optional[Measurement] = None
+    failure: Optional[str] = None      # one of FAILURE_KINDS
+    message: Optional[str] = None      # the line that says why
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(script: str, script_args: Sequence[str], config_path: Path, run_dir: Path, nproc: int,
+                   port: Optional[int] = None) -> list[str]:
+    """The `shardwise run` a trial is (with the Python running this one, so the same shardwise)."""
+    port_flags = ["--master-port", str(port)] if port else []
+    return [sys.executable, "-c", _CLI, "run", "--nproc-per-node", str(nproc), *port_flags, "--config",
+            str(config_path), "--run-dir", str(run_dir), "--console-ranks", "none", script, *script_args]
+
+
+def _rank_logs(run_dir: Path) -> str:
+    texts = []
+    for path in sorted(run_dir.glob("logs/rank*/stderr.log")):
+        try:
+            texts.append(path.read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            continue
+    return "\n".join(texts)
+
+
+def _last_line(text: str, signs: Sequence[str]) -> Optional[str]:
+    """The last line of `text` holding one of `signs`, else its last non-empty line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    marked = [line for line in lines if any(sign in line for sign in signs)]
+    return (marked or lines or [None])[-1]
+
+
+def classify(exit_code: int, launcher_err: str, rank_logs: str) -> tuple[str, Optional[str]]:
+    """The failure kind of a launch that exited with `exit_code` != 0, and the line saying why."""
+    text = launcher_err + "\n" + rank_logs
+    if any(sign in rank_logs for sign in _REFUSED_SIGNS) or (exit_code == 2 and "shardwise run:" in launcher_err
+                                                              and not rank_logs):
+        return "refused", _last_line(text, (*_REFUSED_SIGNS, "shardwise run:"))
+    if any(sign in text for sign in _OOM_SIGNS) or exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return "out_of_memory", _last_line(text, _OOM_SIGNS)
+    return "crash", _last_line(text, ("Error", "failed first"))
+
+
+def _wait(proc: subprocess.Popen, deadline_s: float) -> tuple[Optional[int], str, bool]:
+    """Exit code, stderr, and whether the deadline passed (then the launch is stopped: SIGTERM, later SIGKILL)."""
+    try:
+        _, err = proc.communicate(timeout=deadline_s)
+        return proc.returncode, err, False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the launcher stops every rank, and its reaper what they left
+        try:
+            _, err = proc.communicate(timeout=_STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        return proc.returncode, err, True
+
+
+def run_trial(config: dict[str, Any], script: str, script_args: Sequence[str], *, nproc: int, steps: int,
+              warmup: int, deadline_s: float, run_dir: Path) -> TrialResult:
+    """Launch `script` under `config` on `nproc` local ranks for `steps` optimizer steps; measure it or say why
+    not. The trial records every step into its run directory's metrics (metrics_interval 1)."""
+    start = time.monotonic()
+    try:
+        validate(config, Cluster(nodes=1, devices_per_node=nproc))
+    except ConfigError as err:
+        return TrialResult(run_dir, None, 0.0, failure="refused", message=str(err).splitlines()[0])
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir.parent / f"{run_dir.name}.config.json"
+    measured = {**config, "metrics_interval": 1, "metrics_dir": str(run_dir.resolve() / "metrics")}
+    config_path.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
+    env = {**os.environ, STOP_AFTER_STEPS_ENV: str(steps)}
+    command = launch_command(script, script_args, config_path, run_dir, nproc, free_port())
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    code, err, hung = _wait(proc, deadline_s)
+    seconds = time.monotonic() - start
+    if hung:
+        return TrialResult(run_dir, code, seconds, failure="hang",
+                           message=f"no end within the trial deadline of {deadline_s:g} s; the launch was stopped")
+    if code != 0:
+        kind, line = classify(code, err, _rank_logs(run_dir))
+        return TrialResult(run_dir, code, seconds, failure=kind, message=line)
+    measurement = measure_run(run_dir, warmup)
+    if measurement is None:
+        return TrialResult(run_dir, code, seconds, failure="unmeasured",
+                           message=f"no optimizer step after the {warmup} warm-up step(s) was recorded; the script "
+                                   "must take more steps through a DistributedOptimizer")
+    return TrialResult(run_dir, code, seconds, measurement)

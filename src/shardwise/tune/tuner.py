@@ -1,0 +1,97 @@
+"""The tuning loop: candidates in the planner's order, one trial each, until the trials, the time budget or the
+early stop run out; the best by the chosen metric among the trials that were measured."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from .accuracy import Accuracy, planner_accuracy, relative_error
+from .candidates import Candidate
+from .trial import TrialResult, run_trial
+
+# metric → (the trial row's value it compares, whether more is better)
+METRICS = {"throughput": ("samples_per_s", True), "latency": ("measured_step_time_s", False),
+           "memory": ("max_memory_bytes", False)}
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    script: str
+    script_args: Sequence[str] = ()
+    nproc: int = 1
+    steps: int = 3
+    warmup: int = 1
+    metric: str = "throughput"
+    time_budget_s: Optional[float] = None
+    trial_deadline_s: float = 600.0
+    early_stopping: Optional[int] = None   # stop after this many trials in a row that do not beat the best
+    results: Path = Path("tune_results")
+
+
+@dataclass
+class TuneResult:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    best: Optional[dict[str, Any]] = None
+    stopped: str = "every candidate was tried"
+
+    @property
+    def accuracy(self) -> Accuracy:
+        return planner_accuracy(self.rows)
+
+
+def trial_row(number: int, candidate: Candidate, result: TrialResult) -> dict[str, Any]:
+    """What trials.jsonl holds for one trial: the candidate, its prediction, and what was measured or why not."""
+    m = result.measurement
+    row = {"trial": number, "plan_rank": candidate.rank, "config": candidate.config,
+           "layout": candidate.evaluation.layout.degrees(),
+           "predicted_step_time_s": candidate.predicted_step_time_s,
+           "predicted_memory_bytes": candidate.predicted_memory_bytes,
+           "run_dir": str(result.run_dir), "exit_code": result.exit_code, "seconds": round(result.seconds, 3),
+           "failure": result.failure, "message": result.message,
+           "measured_step_time_s": m.step_time_s if m else None, "measured_steps": m.measured_steps if m else None,
+           "samples_per_s": m.samples_per_s if m else None, "tokens_per_s": m.tokens_per_s if m else None,
+           "peak_memory_bytes": {str(r): b for r, b in m.peak_memory_bytes.items()} if m else None,
+           "max_memory_bytes": m.max_memory_bytes if m else None}
+    row["step_time_error"] = relative_error(row["predicted_step_time_s"], row["measured_step_time_s"])
+    row["memory_error"] = relative_error(row["predicted_memory_bytes"], row["max_memory_bytes"])
+    return row
+
+
+def _better(metric: str, row: dict[str, Any], best: Optional[dict[str, Any]]) -> bool:
+    key, more = METRICS[metric]
+    value = row.get(key)
+    if value is None:
+        return False
+    if best is None:
+        return True
+    return value > best[key] if more else value < best[key]
+
+
+def tune(candidates: Sequence[Candidate], settings: TuneSettings,
+         on_trial: Callable[[dict[str, Any]], None] = lambda row: None) -> TuneResult:
+    """Run the candidates in order; `on_trial` sees each row as it is made (written and shown by the caller)."""
+    if settings.metric not in METRICS:
+        raise ValueError(f"metric {settings.metric!r}: use one of {', '.join(METRICS)}")
+    result = TuneResult()
+    start, since_better = time.monotonic(), 0
+    for number, candidate in enumerate(candidates, 1):
+        if settings.time_budget_s is not None and time.monotonic() - start >= settings.time_budget_s:
+            result.stopped = f"the time budget of {settings.time_budget_s:g} s was spent after {number - 1} trials"
+            break
+        if settings.early_stopping is not None and since_better >= settings.early_stopping:
+            result.stopped = f"{since_better} trials in a row did not beat the best (early stopping)"
+            break
+        trial = run_trial(candidate.config, settings.script, settings.script_args, nproc=settings.nproc,
+                          steps=settings.steps, warmup=settings.warmup, deadline_s=settings.trial_deadline_s,
+                          run_dir=settings.results / f"trial{number}")
+        row = trial_row(number, candidate, trial)
+        result.rows.append(row)
+        on_trial(row)
+        if _better(settings.metric, row, result.best):
+            result.best, since_better = row, 0
+        else:
+            since_better += 1
+    return result
