@@ -28,7 +28,7 @@ CLIP = 0.5
 from tiny_models import dataset, relative_error
 
 MODES = {
-    "zero3-ep2": {"sharded_data_parallel_degree": WORLD, "expert_parallel_degree": 2},
+    "zero3-ep2": {"sharded_data_parallel_degree": WORLD, "expert_parallel_degree": 2, "replica_check_interval": 1},
     "zero3-ep4": {"sharded_data_parallel_degree": WORLD, "expert_parallel_degree": 4},
     "zero2-ep2": {"zero_stage": 2, "sharded_data_parallel_degree": WORLD, "expert_parallel_degree": 2},
     "mics-ep2": {"sharded_data_parallel_degree": 2, "expert_parallel_degree": 2},
@@ -39,6 +39,8 @@ MODES = {
     # each decoder layer recomputed in backward, its all-to-alls again
     "zero3-ep4-checkpointing": {"sharded_data_parallel_degree": WORLD, "expert_parallel_degree": 4},
     "zero3-ep2-bf16": {"sharded_data_parallel_degree": WORLD, "expert_parallel_degree": 2, "bf16": True},
+    # attention split over 2 tensor-parallel ranks (the built-in plan), experts over the 2 of the sharding group
+    "tp2-zero3-ep2": {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2},
 }
 CASES = [("mixtral", mode) for mode in MODES] + [("qwen3_moe", "zero3-ep2"), ("qwen3_moe", "zero3-ep4")]
 # bf16 keeps 8 bits of mantissa through a few steps (the combination matrix's bound)

@@ -71,7 +71,7 @@ def test_builtin_plan_is_chosen_by_model_type_and_matches_every_block(build, nam
 
 def test_model_without_builtin_plan_asks_for_one():
     with pytest.raises(ConfigError, match=r"tensor_parallel_plan='Sequential': no built-in plan for this model "
-                                          r"\(built in: gpt2, llama, mistral, bert, vit\); fix: pass sw.DistributedModel\(model, tensor_parallel_plan="):
+                                          r"\(built in: gpt2, llama, mistral, bert, vit, mixtral\); fix: pass sw.DistributedModel\(model, tensor_parallel_plan="):
         plan_for(mlp())
 
 

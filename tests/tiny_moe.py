@@ -55,10 +55,14 @@ def tiny_moe(family: str, layers: int = 2, seed: int = 1234) -> nn.Module:
 
 
 def moe_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's own causal-LM loss (next-token cross-entropy plus the weighted load-balancing loss) and the
-    load-balancing loss alone."""
-    out = model(input_ids=inputs, labels=targets)
-    return out.loss, out.aux_loss
+    """The causal-LM loss as the model computes it from labels (next-token cross-entropy plus the weighted
+    load-balancing loss, which the model returns whenever it outputs router logits), and the load-balancing
+    loss alone. The cross-entropy is taken from the logits, as the combination matrix does, so that it is one
+    expression under tensor parallelism too."""
+    out = model(input_ids=inputs)
+    logits = out.logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets[:, 1:].flatten())
+    return loss + AUX_WEIGHT * out.aux_loss, out.aux_loss
 
 
 @register_experts(num_experts="count")

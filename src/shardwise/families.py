@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-FAMILIES = ("gpt2", "llama", "bert", "vit")
+FAMILIES = ("gpt2", "llama", "bert", "vit", "mixtral")
 ALIASES = {"mistral": "llama"}  # model types with a family's module layout
 MODEL_TYPES = tuple(t for f in FAMILIES for t in (f, *(a for a, family in ALIASES.items() if family == f)))
 

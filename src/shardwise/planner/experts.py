@@ -84,3 +84,64 @@ def ep_degrees(borrowable: int, experts: int) -> list[int]:
     """The expert-parallel degrees possible: divisors of both the ranks EP borrows from (dp_shard × cp) and the
     number of experts."""
     return [d for d in range(1, borrowable + 1) if borrowable % d == 0 and experts % d == 0]
+
+
+def expert_degrees(shape: ExpertShape | None, zero_stage: int, sharding_group: int) -> list[int]:
+    """The EP degrees the planner tries for one sharding choice: 1 for a model without experts or without
+    ZeRO-2/3 (EP borrows from the sharding group), else every degree `ep_degrees` allows."""
+    if shape is None or zero_stage < 2:
+        return [1]
+    return ep_degrees(sharding_group, shape.experts)
+
+
+def gathered_expert_saving(shape: ExpertShape, layers: int, in_flight: int, ep: int, element_bytes: int) -> float:
+    """Bytes of gathered expert parameters EP spares a rank: FSDP2 gathers an expert share over its own copies
+    only, 1/ep of a layer's experts. `in_flight` of the stage's `layers` are gathered at once (ZeRO-3's two;
+    ZeRO-2 keeps all)."""
+    per_layer = shape.per_expert * shape.experts * shape.moe_layers / max(layers, 1)
+    return element_bytes * min(in_flight, layers) * per_layer * (1 - 1 / ep)
+
+
+def all_to_all_seconds(shape: ExpertShape, tokens: int, ep: int, element_bytes: int, bandwidth: float,
+                       latency: float, skew: float = ROUTER_SKEW) -> float:
+    """Seconds one rank's all-to-alls take in a step: the bytes that cross to other ranks at `bandwidth`
+    (bytes/s per rank), plus `latency` per exchange (counts, dispatch and combine forward, both again in
+    backward, per MoE layer). On the critical path: each layer waits for its tokens."""
+    if ep == 1:
+        return 0.0
+    return (crossing_bytes(shape, tokens, ep, element_bytes, skew) / bandwidth
+            + 5 * shape.moe_layers * (ep - 1) * latency)
+
+
+def gathered_saving(spec, config, layout) -> float:
+    """`gathered_expert_saving` for a `ModelSpec` under a config and layout (0 without experts or EP)."""
+    from .wrapping import compute_bytes
+
+    shape, ep = spec.experts, config.expert_parallel_degree
+    if shape is None or ep == 1:
+        return 0.0
+    layers = spec.stage_layers(layout.pp)
+    in_flight = 2 if config.effective_zero_stage == 3 else layers
+    per_stage = ExpertShape(shape.experts, shape.top_k, layers * shape.moe_layers // spec.layers, shape.hidden,
+                            shape.expert_tensors)
+    return gathered_expert_saving(per_stage, layers, in_flight, ep, compute_bytes(config))
+
+
+def step_seconds(spec, config, layout, cluster, micro_batch: int, seq: int) -> float:
+    """`all_to_all_seconds` of one step on the busiest stage: every microbatch's tokens, over the links the EP
+    group spans (neighbouring ranks of the sharding group: inside a node when ep × tp fits one)."""
+    from .wrapping import compute_bytes
+
+    shape, ep = spec.experts, config.expert_parallel_degree
+    if shape is None or ep == 1:
+        return 0.0
+    layers = spec.stage_layers(layout.pp)
+    stage = ExpertShape(shape.experts, shape.top_k, layers * shape.moe_layers // spec.layers, shape.hidden,
+                        shape.expert_tensors)
+    if ep * layout.tp <= cluster.devices_per_node:
+        bandwidth, latency = cluster.intra_node_bandwidth, cluster.intra_node_latency
+    else:
+        bandwidth, latency = cluster.inter_node_bandwidth / cluster.devices_per_node, cluster.inter_node_latency
+    tokens = micro_batch * seq * config.microbatches
+    return all_to_all_seconds(stage, tokens, ep, compute_bytes(config), bandwidth * cluster.link_efficiency,
+                              latency)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 from ..families import ALIASES
 from ..families import family_of as registered_family
 from .errors import PlanError, unknown
+from .expert_families import MIXTRAL_DEFAULTS, mixtral_spec
 from .spec import ModelSpec
 
 # Defaults of the transformers config classes, for the keys the planner reads.
@@ -116,8 +117,9 @@ def _vit(c: Mapping[str, Any], name: str) -> ModelSpec:
                      input_elements_per_token=pixels, embedding_saved_elements=pixels, head_saved_elements=2 * h)
 
 
+DEFAULTS["mixtral"] = MIXTRAL_DEFAULTS
 BUILDERS: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
-    "gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit}
+    "gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit, "mixtral": mixtral_spec}
 
 
 def family_of(config: Mapping[str, Any], source: str) -> str:

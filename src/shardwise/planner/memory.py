@@ -26,6 +26,7 @@ from ..config.decisions import Decisions
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
 from . import assumptions as A
+from . import experts
 from .activations import rank_activations
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
@@ -129,7 +130,7 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     on_host = host_states(config, device)
     host_bytes = sum(states[k] for k in on_host)
     states = {k: 0.0 if k in on_host else v for k, v in states.items()}
-    gathered = gathered_bytes(spec, config, layout)
+    gathered = gathered_bytes(spec, config, layout) - experts.gathered_saving(spec, config, layout)
     acts = rank_activations(spec, seq=seq, micro_batch=micro_batch, numerics=numerics(config, layout),
                             tp=layout.tp, pp=layout.pp, in_flight=in_flight_microbatches(config, layout),
                             checkpointing=checkpointing, offload=config.offload_activations and moves_to_host(device),

@@ -41,9 +41,10 @@ def checkpointing_call(strategy: str) -> str:
 
 
 def _sharding(e: Evaluation) -> str:
-    """`strategy`, `hpZ n` added under ZeRO++ hpZ, `offload` when the optimizer's states live in host memory."""
-    hpz = e.config.get("zero_hpz_partition_size", 1)
-    return (strategy(e) + (f" hpZ {hpz}" if hpz > 1 else "")
+    """`strategy`, `hpZ n` added under ZeRO++ hpZ, `EP n` under expert parallelism, `offload` when the optimizer's
+    states live in host memory."""
+    hpz, ep = e.config.get("zero_hpz_partition_size", 1), e.config.get("expert_parallel_degree", 1)
+    return (strategy(e) + (f" hpZ {hpz}" if hpz > 1 else "") + (f" EP {ep}" if ep > 1 else "")
             + (" offload" if e.config.get("offload_optimizer_state") else ""))
 
 

@@ -27,6 +27,7 @@ from .errors import PlanError
 from .hardware import GiB, ClusterSpec
 from .memory import MemoryBreakdown, predict_memory
 from .offload import moves_to_host
+from .experts import expert_degrees
 from .spec import ModelSpec
 from .timing import StepTime, predict_step_time
 
@@ -194,16 +195,18 @@ def evaluate(spec: ModelSpec, cluster: ClusterSpec, config: Union[Mapping, Shard
     return _predict(spec, cluster, config, d, layout, checkpointing, batch, seq)
 
 
-def _variants(choice: _Choice, precision: str, batch: int, host: bool) -> Iterator[dict]:
+def _variants(choice: _Choice, precision: str, batch: int, host: bool, ep_degrees: list[int]) -> Iterator[dict]:
     """Microbatching, activation offload and sequence parallelism for one choice: microbatch counts dividing
     the replica's batch, activation offload with checkpointing, pipelining and m > 1 where the device has
-    memory apart from the `host`'s, sequence parallelism where `_considered` found it allowed."""
+    memory apart from the `host`'s, sequence parallelism where `_considered` found it allowed; for a model
+    with experts each expert-parallel degree in `ep_degrees` (planner/experts.py)."""
     tp, pp, stage, group, checkpointing, sequence, hpz = choice
     for m in (m for m in _powers_of_two(batch) if batch % m == 0):
         offloads = [False, True] if host and pp > 1 and checkpointing != "none" and m > 1 else [False]
-        for offload, sp in product(offloads, sequence):
-            yield config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
-                              offload=offload, sequence_parallel=sp, hpz=hpz)
+        for offload, sp, ep in product(offloads, sequence, ep_degrees):
+            d = config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
+                            offload=offload, sequence_parallel=sp, hpz=hpz)
+            yield {**d, "expert_parallel_degree": ep} if ep > 1 else d
 
 
 def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch: int, seq: int,
@@ -213,7 +216,7 @@ def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch:
     is tried again with its optimizer's states offloaded, where the device has memory apart from the host's."""
     results, refused = [], []
     host = moves_to_host(cluster.device)
-    for d in _variants(choice, precision, batch, host):
+    for d in _variants(choice, precision, batch, host, expert_degrees(spec.experts, choice.stage, choice.group)):
         for candidate in (d, {**d, "offload_optimizer_state": True}):
             try:
                 config, layout = validate(candidate, cluster.topology)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .experts import ExpertShape
+
 
 @dataclass(frozen=True)
 class StageCost:
@@ -73,6 +75,7 @@ class ModelSpec:
     traced: Optional[Traced] = None        # measured costs, in place of the transformer formulas
     sequential_blocks: bool = False        # the blocks are an nn.Sequential, whose runs set_activation_checkpointing
                                            # can group (Hugging Face models call a ModuleList's blocks one by one)
+    experts: Optional[ExpertShape] = None  # a mixture of experts': each token passes through top-k of them
 
     def graph_stages(self, pp: int) -> tuple[StageCost, ...]:
         """The module-graph cut into `pp` stages, for a traced model without a block list; else ()."""
@@ -94,11 +97,19 @@ class ModelSpec:
     @property
     def causal(self) -> bool:
         """Decoder language models attend only to earlier positions (a fused kernel skips the rest)."""
-        return self.family in ("gpt2", "llama")
+        return self.family in ("gpt2", "llama", "mixtral")
 
     @property
     def layer_parameters(self) -> int:
         return sum(self.layer_tensors)
+
+    @property
+    def active_layer_parameters(self) -> float:
+        """Weights of a block one token passes through: a mixture of experts' top-k experts only."""
+        if self.experts is None:
+            return self.layer_parameters
+        e = self.experts
+        return self.layer_parameters - e.per_expert * (e.experts - e.top_k) * e.moe_layers / self.layers
 
     @property
     def embedding_parameters(self) -> int:
@@ -133,7 +144,7 @@ class ModelSpec:
         """Forward FLOPs per token through `layers` blocks (what recompute repeats)."""
         if self.traced:
             return layers * self.traced.block_flops
-        return layers * (2 * self.layer_parameters + 4 * seq * self.hidden)
+        return layers * (2 * self.active_layer_parameters + 4 * seq * self.hidden)
 
     def edge_flops_per_token(self) -> float:
         """Forward FLOPs per token outside the blocks: the head and a ViT's patch projection."""

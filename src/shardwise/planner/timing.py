@@ -22,7 +22,7 @@ from ..config.schema import SPLIT_BACKWARD_SCHEDULES, ShardwiseConfig
 from ..topology import Layout
 from ..config.decisions import Decisions
 from . import assumptions as A
-from . import efficiency
+from . import efficiency, experts
 from .activations import keeps_matmuls, recomputed_elementwise_bytes, region_blocks
 from .bubbles import bubble_share, busiest_rank
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
@@ -55,7 +55,7 @@ class StepTime:
     compute: float
     recompute: float
     tensor_parallel: float
-    data_parallel: float      # exposed part of gradient sync and ZeRO gathers
+    data_parallel: float      # exposed part of gradient sync and ZeRO gathers, and experts' all-to-alls
     pipeline_bubble: float
     pipeline_p2p: float
     optimizer: float
@@ -331,7 +331,8 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     t_first = _phase(forward, traffic.next_forward, layers, traffic.first_bucket) - forward
     weight_grad = (blocks.matmul_backward + edge.matmul_backward) / 2
     time = StepTime(compute=(forward + backward) * m, recompute=recompute * m, tensor_parallel=tp_time * m,
-                    data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial,
+                    data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial
+                    + experts.step_seconds(spec, config, layout, cluster, micro_batch, seq),
                     pipeline_bubble=_pipeline_bubble(config, layout, t_mb, busy, forward + recompute, weight_grad),
                     pipeline_p2p=_pipeline_p2p(traffic, cluster, sent, pipeline_rounds(config),
                                                config.stages_per_rank),

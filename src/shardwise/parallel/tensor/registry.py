@@ -17,6 +17,7 @@ a version spells differently, pass a `TensorParallelPlan` / dict to
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 from torch import nn
@@ -117,11 +118,23 @@ def _vit(model: nn.Module, c) -> TensorParallelPlan:
         sequence=SequencePlan(f"{p}layers.*", (f"{p}layers.*.layernorm_before", f"{p}layers.*.layernorm_after")))
 
 
+def _mixtral(model: nn.Module, c) -> TensorParallelPlan:
+    """Attention, embedding and head split as Llama's; each mixture-of-experts block stays whole on every
+    tensor-parallel rank (expert parallelism splits its experts, parallel/experts/). No sequence parallelism:
+    the block's router and experts would then see a slice of the tokens on each rank."""
+    plan = _llama(model, c)
+    mlp = f"{_base_prefix(model)}layers.*.mlp"
+    return dataclasses.replace(plan, styles={k: v for k, v in plan.styles.items() if not k.startswith(mlp)},
+                               dims={k: v for k, v in plan.dims.items() if k != "intermediate_size"},
+                               name=c.model_type, sequence=None)
+
+
 _BUILDERS: dict[str, Callable[[nn.Module, object], TensorParallelPlan]] = {  # by family (shardwise/families.py)
     "gpt2": _gpt2,
     "llama": _llama,
     "bert": _bert,
     "vit": _vit,
+    "mixtral": _mixtral,
 }
 
 BUILTIN_MODEL_TYPES = MODEL_TYPES
