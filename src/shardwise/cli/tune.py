@@ -8,11 +8,15 @@ import sys
 import warnings
 from pathlib import Path
 
-from ..config.sources import load_dict
+from ..config import deepspeed
+from ..config.deepspeed.autotuning import tune_settings
+from ..config.sources import load_dict, read_file
 from ..planner import CHECKPOINTING, MODEL_PRESETS, PlanError, cluster_preset, resolve_model
 from ..tune import METRICS, TuneSettings, candidates, tune
-from ..tune.results import TRIALS_FILE, append_trial, print_results, write_results
+from ..tune.results import RESULT_FILES, print_results, write_results
+from ..tune.tuner import TRIALS_FILE
 from .flags import positive
+from .plan import _shape
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"the model the script trains, as `shardwise plan --model` takes it (a preset such as "
                         f"{', '.join(sorted(MODEL_PRESETS)[:3])}, FAMILY[:key=value,...], a config.json path or "
                         "module:function)")
+    p.add_argument("--input-shape", type=_shape, metavar="D[,D...]",
+                   help="with module:function: one sample's shape, as `shardwise plan --input-shape` takes it")
     p.add_argument("--nproc-per-node", type=positive(int), default=1, metavar="N", help="ranks per trial (default 1)")
     p.add_argument("--nnodes", type=positive(int), default=1, metavar="M",
                    help="nodes (only 1: tuning across nodes is not built)")
@@ -36,19 +42,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the planner's description of this node's devices (default local: this machine's CPUs); "
                         "e.g. p4d.24xlarge on such a node")
     p.add_argument("--config", metavar="BASE",
-                   help="base config (shardwise, SMP or DeepSpeed file) the candidates' layout keys are set over")
+                   help="base config (shardwise, SMP or DeepSpeed file) the candidates' layout keys are set over; a "
+                        "DeepSpeed config's enabled autotuning block sets the flags not given (docs/tune.md)")
     p.add_argument("--global-batch", type=positive(int), metavar="B",
                    help="sequences per step the planner plans for (default: one per rank); the script's own loader "
                         "sets what runs")
     p.add_argument("--seq", type=positive(int), metavar="S", help="tokens per sequence (default: the model's)")
     p.add_argument("--checkpointing", choices=CHECKPOINTING, default="none",
                    help="the activation checkpointing the script applies; candidates are planned with it")
-    p.add_argument("--trials", type=positive(int), default=3, metavar="K", help="candidates to run (default 3)")
-    p.add_argument("--steps", type=positive(int), default=3, metavar="S",
+    p.add_argument("--trials", type=positive(int), metavar="K", help="candidates to run (default 3)")
+    p.add_argument("--steps", type=positive(int), metavar="S",
                    help="optimizer steps per trial, warm-up included (default 3)")
-    p.add_argument("--warmup", type=int, default=1, metavar="W",
-                   help="first steps left out of the measurement (default 1)")
-    p.add_argument("--metric", choices=list(METRICS), default="throughput",
+    p.add_argument("--warmup", type=int, metavar="W", help="first steps left out of the measurement (default 1)")
+    p.add_argument("--metric", choices=list(METRICS),
                    help="what makes a trial best: samples/s (throughput, default), step time (latency) or the "
                         "largest rank's peak memory (memory)")
     p.add_argument("--time-budget", type=positive(float), metavar="SECONDS",
@@ -57,7 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a trial still running after this is stopped and named a hang (default 600)")
     p.add_argument("--early-stopping", type=positive(int), metavar="N",
                    help="stop after N trials in a row that do not beat the best")
-    p.add_argument("--results", default="tune_results", metavar="DIR", help="where results go (default tune_results)")
+    p.add_argument("--results", metavar="DIR", help="where results go (default tune_results)")
+    p.add_argument("--runs-dir", metavar="DIR", help="where each trial's run directory goes (default: --results)")
+    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None,
+                   help="replace the results of an earlier tuning run in --results (default: refuse them)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(handler=run)
@@ -77,36 +86,63 @@ def _precision(base: dict) -> str | None:
     return next((name for name in ("bf16", "fp16") if base.get(name)), None)
 
 
+_DEFAULTS = {"trials": 3, "steps": 3, "warmup": 1, "metric": "throughput", "early_stopping": None,
+             "results": "tune_results", "runs_dir": None, "overwrite": False, "order": "model_based"}
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """Each setting from its flag, else the DeepSpeed config's autotuning block, else the default."""
+    block = {}
+    if args.config:
+        data = read_file(args.config)
+        block = tune_settings(data) if deepspeed.is_deepspeed(data) else {}
+    if "steps" in block and args.warmup is None and "warmup" not in block:
+        block["warmup"] = min(_DEFAULTS["warmup"], block["steps"] - 1)
+    return {key: (getattr(args, key, None) if getattr(args, key, None) is not None else block.get(key, default))
+            for key, default in _DEFAULTS.items()}
+
+
+def _clear(results: Path, overwrite: bool) -> bool:
+    """Make room for this run's results; False (said why) when an earlier run's are there and may not go."""
+    earlier = [results / name for name in (TRIALS_FILE, *RESULT_FILES) if (results / name).exists()]
+    if earlier and not overwrite:
+        print(f"shardwise tune: {earlier[0]} exists; pass another --results, or --overwrite", file=sys.stderr)
+        return False
+    for path in earlier:
+        path.unlink()
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     if args.nnodes != 1:
         print("shardwise tune: --nnodes must be 1: tuning across nodes is not built; tune on one node", file=sys.stderr)
         return 2
-    if not 0 <= args.warmup < args.steps:
-        print(f"shardwise tune: --warmup {args.warmup} must be 0 or more and below --steps {args.steps}, so that "
+    s = _settings(args)
+    if not 0 <= s["warmup"] < s["steps"]:
+        print(f"shardwise tune: warm-up {s['warmup']} must be 0 or more and below the {s['steps']} steps, so that "
               "some step is measured", file=sys.stderr)
         return 2
-    results = Path(args.results)
-    if (results / TRIALS_FILE).exists():
-        print(f"shardwise tune: {results / TRIALS_FILE} exists; pass another --results or delete it",
-              file=sys.stderr)
+    results = Path(s["results"])
+    if not _clear(results, s["overwrite"]):
         return 2
     base = _base_config(args.config)
     try:
-        spec = resolve_model(args.model, seq=args.seq)
+        spec = resolve_model(args.model, input_shape=args.input_shape, seq=args.seq)
         cluster = cluster_preset(args.cluster, nodes=1, devices_per_node=args.nproc_per_node)
-        chosen = candidates(spec, cluster, base, limit=args.trials, global_batch=args.global_batch, seq=args.seq,
-                            precision=_precision(base), checkpointing=args.checkpointing)
+        chosen = candidates(spec, cluster, base, limit=s["trials"], global_batch=args.global_batch, seq=args.seq,
+                            precision=_precision(base), checkpointing=args.checkpointing,
+                            shuffled=s["order"] == "random")
     except PlanError as err:
         print(f"shardwise tune: {err}", file=sys.stderr)
         return 2
     settings = TuneSettings(script=args.script, script_args=tuple(args.script_args), nproc=args.nproc_per_node,
-                            steps=args.steps, warmup=args.warmup, metric=args.metric, time_budget_s=args.time_budget,
-                            trial_deadline_s=args.trial_timeout, early_stopping=args.early_stopping, results=results)
+                            steps=s["steps"], warmup=s["warmup"], metric=s["metric"], time_budget_s=args.time_budget,
+                            trial_deadline_s=args.trial_timeout, early_stopping=s["early_stopping"], results=results,
+                            runs=Path(s["runs_dir"]) if s["runs_dir"] else None)
     print(f"shardwise tune: {len(chosen)} candidates of {spec.name} on {cluster.name}; results in {results}",
           flush=True)
 
     def report(row: dict) -> None:
-        append_trial(results, row)
         outcome = row["failure"] or f"{row['measured_step_time_s']:.4f} s/step"
         print(f"shardwise tune: trial {row['trial']} (plan #{row['plan_rank']}): {outcome}", flush=True)
 

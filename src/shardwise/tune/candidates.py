@@ -8,6 +8,7 @@ distinct config is tried once (layouts differing only in what the script does ar
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -33,25 +34,34 @@ class Candidate:
         return self.evaluation.memory.total
 
 
+# The keys a planned layout sets (planner/search.py's config_dict, and the optimizer-state offload it adds); a
+# base config's own values of them give way to each candidate's, set or left at their defaults.
+TUNED_KEYS = ("tensor_parallel_degree", "prescaled_batch", "sequence_parallel", "pipeline_parallel_degree",
+              "microbatches", "shard_optimizer_state", "zero_stage", "sharded_data_parallel_degree",
+              "zero_hpz_partition_size", "offload_activations", "offload_optimizer_state")
+
+
 def merged(base: Mapping[str, Any], planned: Mapping[str, Any]) -> dict[str, Any]:
-    """The base config with the planned layout's keys over it (the layout is what is tuned)."""
-    return {**base, **planned}
+    """The base config without its layout keys, the planned layout's over it (the layout is what is tuned)."""
+    return {**{k: v for k, v in base.items() if k not in TUNED_KEYS}, **planned}
 
 
 def candidates(spec: ModelSpec, cluster: ClusterSpec, base: Mapping[str, Any], *, limit: int,
                global_batch: Optional[int] = None, seq: Optional[int] = None, precision: Optional[str] = None,
-               checkpointing: str = "none") -> list[Candidate]:
-    """Up to `limit` distinct configs among the fitting layouts planned with `checkpointing`, in plan order."""
+               checkpointing: str = "none", shuffled: bool = False) -> list[Candidate]:
+    """Up to `limit` distinct configs among the fitting layouts planned with `checkpointing`, in plan order, or
+    `shuffled` (a random order, seed 0: DeepSpeed's random tuner). Each keeps its place in the plan as `rank`."""
     result = plan(spec, cluster, global_batch=global_batch, seq=seq, precision=precision)
-    chosen: list[Candidate] = []
+    distinct: list[Candidate] = []
     seen: list[dict] = []
     for e in result.fitting:
         if e.checkpointing != checkpointing or e.config in seen:
             continue
         seen.append(e.config)
-        chosen.append(Candidate(len(chosen) + 1, merged(base, e.config), e))
-        if len(chosen) == limit:
-            break
+        distinct.append(Candidate(len(distinct) + 1, merged(base, e.config), e))
+    if shuffled:
+        random.Random(0).shuffle(distinct)
+    chosen = distinct[:limit]
     if not chosen:
         raise PlanError(f"no layout of {spec.name} fits {cluster.name} with checkpointing {checkpointing!r}; "
                         "run `shardwise plan --explain` with the same model and cluster to see why")

@@ -15,18 +15,12 @@ from rich.console import Console
 from rich.table import Table
 
 from ..planner.hardware import GiB
-from .tuner import TuneResult, TuneSettings
+from .tuner import TRIALS_FILE, TuneResult, TuneSettings
 
-TRIALS_FILE = "trials.jsonl"
 BEST_CONFIG_FILE = "best_config.json"
 BEST_CMD_FILE = "best_cmd.txt"
 SUMMARY_FILE = "summary.json"
-
-
-def append_trial(results: Path, row: dict[str, Any]) -> None:
-    results.mkdir(parents=True, exist_ok=True)
-    with (results / TRIALS_FILE).open("a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+RESULT_FILES = (BEST_CONFIG_FILE, BEST_CMD_FILE, SUMMARY_FILE)
 
 
 def best_command(settings: TuneSettings, config_path: Path) -> str:

@@ -4,7 +4,7 @@ optimizer steps (runtime/step_limit.py), measured from its run directory, or its
 A trial runs as a child `shardwise run`, so that whatever the script does (crash, run out of memory, hang) ends
 that launch and not the tuning run. Failure kinds: `refused` (the config is refused by validation on this
 cluster, before any rank starts, or by the runtime at `sw.init`), `out_of_memory` (an allocator's out-of-memory
-error or a rank killed by SIGKILL, as the kernel's OOM killer does), `hang` (no end by the trial's deadline: the
+error, a CPU allocator's "can't allocate memory", or a rank killed by SIGKILL, as the kernel's OOM killer does), `hang` (no end by the trial's deadline: the
 launch is stopped with SIGTERM, which stops every rank), `crash` (any other failing exit), `unmeasured` (it ended
 without recording a step after warm-up: the script takes fewer steps, or steps no DistributedOptimizer).
 """
@@ -29,7 +29,7 @@ from ..topology import Cluster
 from .measure import Measurement, measure_run
 
 FAILURE_KINDS = ("refused", "out_of_memory", "hang", "crash", "unmeasured")
-_OOM_SIGNS = ("OutOfMemoryError", "out of memory", "MemoryError", "exit code -9", "SIGKILL")
+_OOM_SIGNS = ("OutOfMemoryError", "out of memory", "MemoryError", "can't allocate memory", "SIGKILL")
 _REFUSED_SIGNS = ("ConfigError",)
 _STOP_GRACE_SECONDS = 30
 _CLI = "import sys; from shardwise.cli import main; sys.exit(main())"

@@ -3,6 +3,7 @@ early stop run out; the best by the chosen metric among the trials that were mea
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ from .accuracy import Accuracy, planner_accuracy, relative_error
 from .candidates import Candidate
 from .trial import TrialResult, run_trial
 
+TRIALS_FILE = "trials.jsonl"
 # metric → (the trial row's value it compares, whether more is better)
 METRICS = {"throughput": ("samples_per_s", True), "latency": ("measured_step_time_s", False),
            "memory": ("max_memory_bytes", False)}
@@ -29,6 +31,7 @@ class TuneSettings:
     trial_deadline_s: float = 600.0
     early_stopping: Optional[int] = None   # stop after this many trials in a row that do not beat the best
     results: Path = Path("tune_results")
+    runs: Optional[Path] = None            # where each trial's run directory goes (default: results)
 
 
 @dataclass
@@ -60,6 +63,13 @@ def trial_row(number: int, candidate: Candidate, result: TrialResult) -> dict[st
     return row
 
 
+def append_trial(results: Path, row: dict[str, Any]) -> None:
+    """One line of <results>/trials.jsonl, written as the trial ends (a tuning run stopped mid-way keeps it)."""
+    results.mkdir(parents=True, exist_ok=True)
+    with (results / TRIALS_FILE).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def _better(metric: str, row: dict[str, Any], best: Optional[dict[str, Any]]) -> bool:
     key, more = METRICS[metric]
     value = row.get(key)
@@ -72,7 +82,7 @@ def _better(metric: str, row: dict[str, Any], best: Optional[dict[str, Any]]) ->
 
 def tune(candidates: Sequence[Candidate], settings: TuneSettings,
          on_trial: Callable[[dict[str, Any]], None] = lambda row: None) -> TuneResult:
-    """Run the candidates in order; `on_trial` sees each row as it is made (written and shown by the caller)."""
+    """Run the candidates in order, each row appended to trials.jsonl as it is made and shown to `on_trial`."""
     if settings.metric not in METRICS:
         raise ValueError(f"metric {settings.metric!r}: use one of {', '.join(METRICS)}")
     result = TuneResult()
@@ -86,9 +96,10 @@ def tune(candidates: Sequence[Candidate], settings: TuneSettings,
             break
         trial = run_trial(candidate.config, settings.script, settings.script_args, nproc=settings.nproc,
                           steps=settings.steps, warmup=settings.warmup, deadline_s=settings.trial_deadline_s,
-                          run_dir=settings.results / f"trial{number}")
+                          run_dir=(settings.runs or settings.results) / f"trial{number}")
         row = trial_row(number, candidate, trial)
         result.rows.append(row)
+        append_trial(settings.results, row)
         on_trial(row)
         if _better(settings.metric, row, result.best):
             result.best, since_better = row, 0

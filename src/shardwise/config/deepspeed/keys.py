@@ -16,7 +16,7 @@ from __future__ import annotations
 TRANSLATED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
               "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "gradient_clipping", "steps_per_print",
               "wall_clock_breakdown", "flops_profiler", "comms_logger", "tensorboard", "csv_monitor", "wandb",
-              "activation_checkpointing", "tensor_parallel")
+              "activation_checkpointing", "tensor_parallel", "autotuning")
 
 _REDUCED = "gradients are averaged over the data-parallel ranks by one reduction per bucket or sharding unit, in fp32"
 
@@ -53,7 +53,6 @@ NOT_HONOURED = {
     "amp": "NVIDIA apex AMP is not used; set bf16 or fp16 instead (DeepSpeed 0.19 refuses the key too)",
     "pipeline": "pipelines come from pipeline_parallel_degree with sw.DistributedModel; checkpoint stages with "
                 "sw.set_activation_checkpointing",
-    "autotuning": "`shardwise plan` ranks the layouts by predicted memory and step time instead",
     "memory_breakdown": "`shardwise plan` predicts memory by category, and the metrics record it per step",
     "dump_state": "the validated config is written to the run directory's config.json",
     "checkpoint": _CHECKPOINTS,

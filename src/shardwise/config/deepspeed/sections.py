@@ -6,6 +6,7 @@ import os
 from typing import Any, Callable, Mapping
 
 from ..blocks import optimizer_type
+from .autotuning import translate_autotuning
 from .keys import BF16_KEYS, COMMS_LOGGER_KEYS, FP16_KEYS, MONITOR_KEYS
 from .translation import Translation, check_keys, enabled, rest
 
@@ -127,6 +128,7 @@ SECTIONS: dict[str, Section] = {
     "tensorboard": _monitor("tensorboard", "tensorboard"), "csv_monitor": _monitor("csv", "csv_monitor"),
     "wandb": _monitor("wandb", "wandb"), "activation_checkpointing": _activation_checkpointing,
     "tensor_parallel": _tensor_parallel, "optimizer": _block("optimizer"), "scheduler": _block("scheduler"),
+    "autotuning": translate_autotuning,
 }
 
 

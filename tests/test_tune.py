@@ -1,0 +1,162 @@
+"""shardwise tune: trials of a tiny script on 2 CPU ranks through real launches, each failure kind caught and
+named while the next trial runs, the best config accepted as `shardwise run` validates it; the accuracy figures
+and the step limit's input on their own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.config import ConfigError
+from shardwise.config.layout import validate
+from shardwise.config.sources import load_dict
+from shardwise.planner import cluster_preset, evaluate, spec_from_builder
+from shardwise.runtime.step_limit import STOP_AFTER_STEPS_ENV, step_limit
+from shardwise.topology import Cluster
+from shardwise.tune import Candidate, TuneSettings, planner_accuracy, run_trial, spearman, tune
+from shardwise.tune.trial import _wait, classify
+
+# Trains a 2-layer MLP with sw; under ZeRO-3 it crashes at once, under ZeRO-2 rank 1 runs out of memory under a
+# cap on its address space; it runs far more steps than a trial, so only the step limit ends it.
+SCRIPT = '''
+import json, os, resource
+import torch
+import shardwise as sw
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+
+if __name__ == "__main__":
+    sw.init()
+    config = json.load(open(os.environ["SHARDWISE_CONFIG"]))
+    if config.get("zero_stage") == 3:
+        raise RuntimeError("injected crash under ZeRO-3")
+    if config.get("zero_stage") == 2 and sw.rank() == 1:
+        size = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+        torch.ones(1 << 30, dtype=torch.uint8)
+    model = sw.DistributedModel(build())
+    optimizer = sw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @sw.step
+    def train_step(model, x):
+        loss = torch.nn.functional.mse_loss(model(x), x)
+        model.backward(loss)
+        return loss
+
+    for _ in range(1000):
+        optimizer.zero_grad()
+        train_step(model, torch.randn(4, 16)).reduce_mean()
+        optimizer.step()
+    raise SystemExit("the step limit did not stop the run")
+'''
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """The script as module tiny_tune (the planner builds its model from tiny_tune:build), run from tmp_path."""
+    (tmp_path / "tiny_tune.py").write_text(textwrap.dedent(SCRIPT))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _candidate(rank, spec, cluster, config):
+    try:
+        evaluation = evaluate(spec, cluster, config, global_batch=8)
+    except ConfigError:  # a config refused on this cluster: the prediction shown beside it is plain DDP's
+        evaluation = evaluate(spec, cluster, {}, global_batch=8)
+    return Candidate(rank, config, evaluation)
+
+
+def test_trials_survive_each_failure_and_keep_the_measured_best(tiny):
+    spec = spec_from_builder("tiny_tune:build", input_shape=(16,))
+    cluster = cluster_preset("local", devices_per_node=2)
+    configs = [{}, {"zero_stage": 3, "sharded_data_parallel_degree": 2},
+               {"zero_stage": 2, "sharded_data_parallel_degree": 2}, {"sharded_data_parallel_degree": 3}]
+    chosen = [_candidate(i, spec, cluster, c) for i, c in enumerate(configs, 1)]
+    settings = TuneSettings(script="tiny_tune.py", nproc=2, steps=2, warmup=1, metric="latency",
+                            trial_deadline_s=300, results=tiny / "results")
+    result = tune(chosen, settings)
+    kinds = [row["failure"] for row in result.rows]
+    assert kinds == [None, "crash", "out_of_memory", "refused"], [r["message"] for r in result.rows]
+    assert "injected crash under ZeRO-3" in result.rows[1]["message"]
+    assert "can't allocate memory" in result.rows[2]["message"]
+    assert "sharded_data_parallel_degree" in result.rows[3]["message"]
+    best = result.rows[0]  # step 2, after one warm-up step, on both ranks
+    assert result.best is best and best["measured_steps"] == 1 and set(best["peak_memory_bytes"]) == {"0", "1"}
+    assert best["measured_step_time_s"] > 0 and best["step_time_error"] is not None
+    assert result.accuracy.trials == 1 and result.accuracy.regret == 1.0
+    assert [json.loads(line)["trial"] for line in (tiny / "results" / "trials.jsonl").read_text().splitlines()] \
+        == [1, 2, 3, 4]
+
+
+def test_a_hanging_trial_is_stopped_at_its_deadline(tmp_path):
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    result = run_trial({}, str(script), [], nproc=1, steps=2, warmup=1, deadline_s=3, run_dir=tmp_path / "trial1")
+    assert result.failure == "hang" and "deadline of 3 s" in result.message
+    assert result.exit_code is not None  # the launch ended (stopped), it was not left running
+
+
+def test_cli_writes_the_best_config_run_accepts(tiny, capsys):
+    code = main(["tune", "--model", "tiny_tune:build", "--input-shape", "16", "--nproc-per-node", "2", "--trials",
+                 "1", "--steps", "2", "--results", "out", "tiny_tune.py"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [json.loads(line) for line in (tiny / "out" / "trials.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["failure"] is None and rows[0]["plan_rank"] == 1
+    best = load_dict(str(tiny / "out" / "best_config.json"))  # as `shardwise run --config` reads it
+    assert best == rows[0]["config"]
+    validate(best, Cluster(nodes=1, devices_per_node=2))
+    assert (tiny / "out" / "best_cmd.txt").read_text().startswith("shardwise run --nproc-per-node 2 --config ")
+    assert "regret of its pick 1.00" in out and "best (throughput): trial 1" in out
+    assert main(["tune", "--model", "tiny_tune:build", "--input-shape", "16", "--results", "out", "x.py"]) == 2
+    assert "trials.jsonl exists" in capsys.readouterr().err
+
+
+def test_failure_kinds_from_what_the_launch_said():
+    assert classify(2, "shardwise run: sharded_data_parallel_degree=3 ...", "")[0] == "refused"
+    assert classify(1, "", "shardwise.errors.ConfigError: bad key")[0] == "refused"
+    assert classify(1, "", "torch.OutOfMemoryError: CUDA out of memory.")[0] == "out_of_memory"
+    assert classify(-9, "rank 1 failed first (signal SIGKILL)", "")[0] == "out_of_memory"
+    assert classify(1, "", "ValueError: boom")[0] == "crash"
+
+
+def test_deadline_stops_a_process_that_does_not_end():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stderr=subprocess.PIPE,
+                            text=True)
+    code, _, hung = _wait(proc, 0.5)
+    assert hung and code is not None
+
+
+def test_spearman_and_regret():
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2], [1, 2, 3]) == pytest.approx(0.8660254)
+    assert spearman([1], [1]) is None
+    rows = [{"plan_rank": 1, "predicted_step_time_s": 1.0, "measured_step_time_s": 3.0, "step_time_error": -2 / 3},
+            {"plan_rank": 2, "predicted_step_time_s": 2.0, "measured_step_time_s": 2.0, "step_time_error": 0.0},
+            {"plan_rank": 3, "predicted_step_time_s": 3.0, "measured_step_time_s": None}]
+    accuracy = planner_accuracy(rows)
+    assert accuracy.trials == 2 and accuracy.regret == pytest.approx(1.5)
+    assert accuracy.spearman_step_time == pytest.approx(-1.0)
+    assert accuracy.mean_abs_step_time_error == pytest.approx(1 / 3)
+
+
+def test_step_limit_reads_its_variable(monkeypatch):
+    monkeypatch.delenv(STOP_AFTER_STEPS_ENV, raising=False)
+    assert step_limit() is None
+    monkeypatch.setenv(STOP_AFTER_STEPS_ENV, "3")
+    assert step_limit() == 3
+    monkeypatch.setenv(STOP_AFTER_STEPS_ENV, "0")
+    with pytest.raises(ValueError, match="set it to an integer >= 1"):
+        step_limit()

@@ -1,0 +1,99 @@
+"""DeepSpeed's autotuning block as shardwise tune reads it (each mapped key), what `shardwise run` says of it,
+and how a base config's layout gives way to each candidate's. No launches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise.cli import build_parser
+from shardwise.cli.tune import _settings
+from shardwise.config import ConfigError
+from shardwise.config.deepspeed import translate
+from shardwise.config.deepspeed.autotuning import tune_settings
+from shardwise.planner import cluster_preset, resolve_model
+from shardwise.tune import candidates
+from shardwise.tune.candidates import merged
+
+
+def _block(**keys):
+    return {"train_batch_size": 8, "autotuning": {"enabled": True, **keys}}
+
+
+@pytest.mark.parametrize("key, value, setting, expected", [
+    ("metric", "latency", "metric", "latency"),
+    ("metric", "throughput", "metric", "throughput"),
+    ("start_profile_step", 3, "warmup", 2),
+    ("end_profile_step", 5, "steps", 5),
+    ("tuner_type", "random", "order", "random"),
+    ("tuner_type", "model_based", "order", "model_based"),
+    ("tuner_early_stopping", 2, "early_stopping", 2),
+    ("tuner_num_trials", 4, "trials", 4),
+    ("results_dir", "tuned", "results", "tuned"),
+    ("exps_dir", "exps", "runs_dir", "exps"),
+    ("overwrite", True, "overwrite", True),
+])
+def test_each_mapped_key_sets_its_setting(key, value, setting, expected):
+    assert tune_settings(_block(**{key: value})) == {setting: expected}
+
+
+def test_fast_true_is_what_tune_does_and_false_is_refused():
+    assert tune_settings(_block(fast=True)) == {}
+    with pytest.raises(ConfigError, match="autotuning.fast"):
+        tune_settings(_block(fast=False))
+
+
+@pytest.mark.parametrize("keys, named", [
+    ({"metric": "flops"}, "autotuning.metric='flops': is not built"),
+    ({"metric": "speed"}, "is not one DeepSpeed accepts"),
+    ({"tuner_type": "xgboost"}, "autotuning.tuner_type"),
+    ({"tuner_num_trials": 0}, "autotuning.tuner_num_trials"),
+    ({"start_profile_step": 6, "end_profile_step": 5}, "is after end_profile_step 5"),
+    ({"tuner_num_trails": 3}, "unknown key"),
+])
+def test_values_tune_cannot_honour_are_one_error(keys, named):
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace("'", ".")):
+        tune_settings(_block(**keys))
+
+
+def test_a_block_switched_off_or_absent_sets_nothing():
+    assert tune_settings({"autotuning": {"enabled": False, "metric": "latency"}}) == {}
+    assert tune_settings({"train_batch_size": 8}) == {}
+
+
+def test_run_notes_the_mapped_keys_and_lists_the_rest():
+    t = translate(_block(metric="latency", tuner_num_trials=4, num_tuning_micro_batch_sizes=3,
+                         arg_mappings={"train_micro_batch_size_per_gpu": "--batch"}, mp_size=2))
+    notes, ignored = dict(t.notes), dict(t.ignored)
+    assert notes["autotuning.metric"].startswith("read by shardwise tune --config as --metric")
+    assert notes["autotuning.tuner_num_trials"] == "read by shardwise tune --config as --trials"
+    assert set(ignored) == {"autotuning.num_tuning_micro_batch_sizes", "autotuning.arg_mappings",
+                            "autotuning.mp_size"}
+    assert "batch is the script's own" in ignored["autotuning.num_tuning_micro_batch_sizes"]
+    assert not t.problems
+
+
+def test_flags_win_over_the_block_and_the_block_over_defaults(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_block(metric="latency", tuner_num_trials=4, end_profile_step=2)))
+    parse = build_parser().parse_args
+    args = parse(["tune", "--model", "gpt2", "--config", str(path), "--trials", "2", "train.py"])
+    s = _settings(args)
+    assert (s["trials"], s["metric"], s["steps"], s["warmup"], s["results"]) == (2, "latency", 2, 1, "tune_results")
+    assert _settings(parse(["tune", "--model", "gpt2", "train.py"]))["trials"] == 3
+
+
+def test_candidates_in_plan_order_or_shuffled_each_over_the_base_without_its_layout():
+    spec = resolve_model("gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=16")
+    cluster = cluster_preset("local", devices_per_node=2)
+    base = {"zero_stage": 3, "sharded_data_parallel_degree": 2, "gradient_clipping": 0.5}
+    ordered = candidates(spec, cluster, base, limit=10, global_batch=4)
+    assert [c.rank for c in ordered] == list(range(1, len(ordered) + 1)) and len(ordered) > 2
+    assert len({json.dumps(c.config, sort_keys=True) for c in ordered}) == len(ordered)
+    assert all(c.config["gradient_clipping"] == 0.5 for c in ordered)
+    assert all(c.config == merged(base, c.evaluation.config) for c in ordered)
+    assert any("zero_stage" not in c.config for c in ordered)  # the base's ZeRO-3 gave way
+    shuffled = candidates(spec, cluster, base, limit=10, global_batch=4, shuffled=True)
+    assert sorted(c.rank for c in shuffled) == [c.rank for c in ordered]
+    assert [c.rank for c in shuffled] != [c.rank for c in ordered]
