@@ -24,7 +24,8 @@ MICRO = 2
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    return run_distributed(run, 1, "plain", str(tmp_path_factory.mktemp("plain")), 2 * MICRO, timeout=300)[0]
+    return run_distributed(run, 1, "plain", str(tmp_path_factory.mktemp("plain")), 2 * MICRO, predict=True,
+                           timeout=300)[0]
 
 
 @pytest.mark.parametrize("layout,more", [({}, {}), ({"shard_optimizer_state": True}, {}),
@@ -33,8 +34,10 @@ def reference(tmp_path_factory) -> dict:
                                          ({"sharded_data_parallel_degree": 2}, {"activation_checkpointing": True})],
                          ids=["ddp", "zero1", "zero2", "zero3", "zero3-activation-checkpointing"])
 def test_trains_and_evaluates_as_one_process(layout, more, reference, tmp_path):
-    """`activation_checkpointing=True` is the Trainer's own (its model's checkpointing, enabled before wrapping)."""
-    ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, timeout=300, **more)
+    """`activation_checkpointing=True` is the Trainer's own (its model's checkpointing, enabled before wrapping).
+    Then evaluate with compute_metrics and predict: the same metrics and logits, in the same order."""
+    ranks = run_distributed(run, 2, "shardwise", str(tmp_path), MICRO, layout, predict=True, timeout=300, **more)
+    assert ranks[0]["predictions"].shape == (16, SEQ, VOCAB)
     assert_same(ranks, reference)
     assert ranks[0]["global_step"] == 3
 
