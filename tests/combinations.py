@@ -63,6 +63,10 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
     "cp": (4, 4, {"context_parallel_degree": 2}),
     "cp-all-to-all-zero3": (4, 4, {"context_parallel_degree": 2, "context_parallel_mode": "all_to_all",
                                    "sharded_data_parallel_degree": 2}),
+    # expert parallelism: each MoE layer's experts over 2 ranks of ZeRO-3's sharding group, and beside tensor
+    # parallelism on the attention; it splits mixture-of-experts families only, so it runs in VARIANT_ROWS
+    "zero3-ep": (4, 4, {"sharded_data_parallel_degree": 4, "expert_parallel_degree": 2}),
+    "tp-ep": (4, 4, {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2}),
 }
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 # What moves to host memory: nothing, the optimizer's states (and what it steps), or checkpointed regions' inputs.
@@ -90,6 +94,10 @@ VARIANT_ROWS = [
     ("cp", "llama", "bf16", False, "none", "before", False, "optimizer"),
     ("cp-all-to-all-zero3", "llama", "fp32", True, "matmul", "after", True, "none"),
     ("cp-all-to-all-zero3", "gpt2", "fp16", False, "each", "before", False, "activations"),
+    ("zero3-ep", "mixtral", "fp32", True, "each", "after", True, "none"),
+    ("zero3-ep", "mixtral", "bf16", False, "none", "before", False, "optimizer"),
+    ("tp-ep", "mixtral", "fp32", False, "matmul", "after", True, "activations"),
+    ("tp-ep", "mixtral", "fp16", True, "none", "before", False, "none"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {

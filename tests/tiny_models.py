@@ -114,9 +114,17 @@ class TinyCNN(nn.Module):
         return {"logits": self.classifier(self.features(images))}
 
 
+def tiny_mixtral(**sizes) -> nn.Module:
+    """A mixture of experts (tiny_moe.py): four experts, two per token; its loss here is the next-token one."""
+    from tiny_moe import tiny_moe
+
+    return tiny_moe("mixtral", seed=torch.initial_seed(), **sizes)
+
+
 BUILDERS = {"gpt2": tiny_gpt2, "vit": tiny_vit, "llama": tiny_llama, "bert": tiny_bert, "stack": TinyStack,
-            "sequential": SequentialStack, "cnn": TinyCNN}
-TEXT = ("gpt2", "llama", "bert", "stack", "sequential")  # token models: token data; next-token loss but BERT's, per token
+            "sequential": SequentialStack, "cnn": TinyCNN,
+            "mixtral": tiny_mixtral}
+TEXT = ("gpt2", "llama", "bert", "stack", "sequential", "mixtral")  # token models: token data; next-token loss but BERT's, per token
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
