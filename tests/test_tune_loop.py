@@ -1,0 +1,71 @@
+"""The tuning loop's choices without launches: the best by each metric, early stopping, the time budget. Trials are
+replaced by the results a launch would give (measured or failed), so each rule is checked on its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardwise.planner import cluster_preset, resolve_model
+from shardwise.tune import TrialResult, TuneSettings, candidates, tune
+from shardwise.tune import tuner
+from shardwise.tune.measure import Measurement
+
+
+@pytest.fixture(scope="module")
+def chosen():
+    spec = resolve_model("gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=16")
+    return candidates(spec, cluster_preset("local", devices_per_node=2), {}, limit=4, global_batch=4)
+
+
+def _trials(monkeypatch, outcomes, clock=None):
+    """Trial N ends as outcomes[N-1]: (step time, samples/s, peak bytes), or a failure kind."""
+    calls = []
+
+    def run_trial(config, script, args, *, run_dir, **_):
+        calls.append(run_dir.name)
+        outcome = outcomes[len(calls) - 1]
+        if clock is not None:
+            clock[0] += 10.0
+        if isinstance(outcome, str):
+            return TrialResult(run_dir, 1, 1.0, failure=outcome, message=outcome)
+        step, rate, peak = outcome
+        return TrialResult(run_dir, 0, 1.0, Measurement(3, 2, step, rate, None, {0: peak, 1: peak // 2}))
+
+    monkeypatch.setattr(tuner, "run_trial", run_trial)
+    if clock is not None:
+        monkeypatch.setattr(tuner.time, "monotonic", lambda: clock[0])
+    return calls
+
+
+OUTCOMES = [(0.3, 10.0, 500), "crash", (0.2, 12.0, 700), (0.25, 14.0, 400)]
+
+
+@pytest.mark.parametrize("metric, best", [("latency", 3), ("throughput", 4), ("memory", 4)])
+def test_the_best_by_each_metric(monkeypatch, tmp_path, chosen, metric, best):
+    _trials(monkeypatch, OUTCOMES)
+    result = tune(chosen, TuneSettings(script="x.py", metric=metric, results=tmp_path))
+    assert result.best["trial"] == best and len(result.rows) == 4
+    assert (tmp_path / "trials.jsonl").read_text().count("\n") == 4
+
+
+def test_early_stopping_after_trials_that_do_not_beat_the_best(monkeypatch, tmp_path, chosen):
+    calls = _trials(monkeypatch, [(0.2, 12.0, 500), "crash", (0.3, 10.0, 500), (0.1, 20.0, 500)])
+    result = tune(chosen, TuneSettings(script="x.py", early_stopping=2, results=tmp_path))
+    assert calls == ["trial1", "trial2", "trial3"] and result.best["trial"] == 1
+    assert "2 trials in a row did not beat the best" in result.stopped
+
+
+def test_no_trial_starts_after_the_time_budget(monkeypatch, tmp_path, chosen):
+    calls = _trials(monkeypatch, OUTCOMES, clock=[0.0])  # each trial takes 10 s on this clock
+    result = tune(chosen, TuneSettings(script="x.py", time_budget_s=15, results=tmp_path))
+    assert calls == ["trial1", "trial2"] and "time budget of 15 s was spent after 2 trials" in result.stopped
+
+
+def test_runs_go_to_their_own_directory(monkeypatch, tmp_path, chosen):
+    seen = []
+    monkeypatch.setattr(tuner, "run_trial", lambda *a, run_dir, **k: seen.append(run_dir) or TrialResult(
+        run_dir, 1, 1.0, failure="crash", message="x"))
+    result = tune(chosen[:1], TuneSettings(script="x.py", results=tmp_path / "r", runs=tmp_path / "exps"))
+    assert seen == [Path(tmp_path / "exps" / "trial1")] and result.best is None
