@@ -30,3 +30,47 @@ def test_all_to_all_bytes_count_dispatch_and_combine_both_ways_and_the_busiest_r
 @pytest.mark.parametrize("borrowable, experts, degrees", [(8, 8, [1, 2, 4, 8]), (4, 6, [1, 2]), (6, 60, [1, 2, 3, 6])])
 def test_ep_degrees_divide_both_the_borrowed_ranks_and_the_experts(borrowable, experts, degrees):
     assert ep_degrees(borrowable, experts) == degrees
+
+
+def test_a_mixtral_config_counts_every_expert_in_memory_and_the_top_k_in_flops():
+    from shardwise.planner import spec_from_hf
+
+    spec = spec_from_hf({"model_type": "mixtral"}, "mixtral-8x7b")
+    assert round(spec.parameters / 1e9, 1) == 46.7  # Mixtral 8x7B's published 46.7 B
+    active = spec.active_layer_parameters * spec.layers + spec.embedding_parameters + spec.head_parameters
+    assert round(active / 1e9, 1) == 12.9  # and its 12.9 B active per token
+    assert spec.experts == MIXTRAL_8X7B
+
+
+def test_the_plan_tries_expert_parallelism_and_shows_it():
+    from shardwise.planner import cluster_preset, spec_from_hf
+    from shardwise.planner.report import _sharding
+    from shardwise.planner.search import plan
+
+    spec = spec_from_hf({"model_type": "mixtral", "num_hidden_layers": 4}, "mixtral-4-layers")
+    result = plan(spec, cluster_preset("p4d.24xlarge"), global_batch=16, seq=1024, precision="bf16")
+    chosen = [e for e in result.considered if e.config.get("expert_parallel_degree", 1) > 1]
+    assert chosen and all(e.config["expert_parallel_degree"] in (2, 4, 8) for e in chosen)
+    assert all(e.zero_stage >= 2 for e in chosen)
+    assert any(f"EP {e.config['expert_parallel_degree']}" in _sharding(e) for e in chosen)
+
+
+def test_expert_parallelism_spares_gathered_experts_and_costs_all_to_all_time():
+    from shardwise.config import parse_config
+    from shardwise.planner import cluster_preset, spec_from_hf
+    from shardwise.planner.memory import predict_memory
+    from shardwise.planner.timing import predict_step_time
+    from shardwise.topology import Layout
+
+    spec = spec_from_hf({"model_type": "mixtral", "num_hidden_layers": 4}, "mixtral-4-layers")
+    cluster, layout = cluster_preset("p4d.24xlarge"), Layout(dp_shard=8)
+    plain = parse_config({"zero_stage": 2, "sharded_data_parallel_degree": 8, "bf16": True})
+    split = parse_config({"zero_stage": 2, "sharded_data_parallel_degree": 8, "bf16": True,
+                          "expert_parallel_degree": 8})
+    experts = MIXTRAL_8X7B.per_expert * 8 * 4  # ZeRO-2 gathers every layer: 7/8 of them stay on other ranks
+    saved = (predict_memory(spec, plain, layout, 1, 1024).gathered_params
+             - predict_memory(spec, split, layout, 1, 1024).gathered_params)
+    assert saved == pytest.approx(2 * experts * 7 / 8)
+    slower = (predict_step_time(spec, split, layout, cluster, 1, 1024).data_parallel
+              - predict_step_time(spec, plain, layout, cluster, 1, 1024).data_parallel)
+    assert slower > 0

@@ -120,3 +120,10 @@ def test_expert_parallelism_without_sharding_is_refused():
 def test_the_degree_must_be_a_positive_integer():
     with pytest.raises(ConfigError, match=r"expert_parallel_degree=0: "):
         parse_config({"expert_parallel_degree": 0})
+
+
+def test_pipelines_are_refused_for_now():
+    assert _message({"sharded_data_parallel_degree": 2, "expert_parallel_degree": 2,
+                     "pipeline_parallel_degree": 2}) == (
+        "invalid shardwise config: expert_parallel_degree=2: does not combine with pipeline_parallel_degree > 1 "
+        "yet; fix: set pipeline_parallel_degree to 1, or expert_parallel_degree to 1")
