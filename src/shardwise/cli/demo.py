@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .flags import positive
-from ..launcher.from_args import launch_from_args
-from .run import add_launch_flags
+from .run import add_launch_flags, launch_from_args
 
 DEFAULT_NPROC = 4
 # 4 ranks in ZeRO partition groups of 2: two sharded replicas (MiCS / ZeRO-2D).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Sequence
 
-from ..launcher.from_args import launch_from_args
 from .flags import positive
 
 
@@ -96,6 +96,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("script", help="the training script (run as `python -u script ...` on every rank)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(handler=run)
+
+
+def launch_from_args(args: argparse.Namespace, script: str, script_args: Sequence[str],
+                     overrides: Sequence[str]) -> int:
+    """The launcher's `launch_from_args`, imported when called: the launcher loads torch, `shardwise plan` must not."""
+    from ..launcher.from_args import launch_from_args as launch
+
+    return launch(args, script, script_args, overrides)
 
 
 def run(args: argparse.Namespace) -> int:
