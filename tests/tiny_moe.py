@@ -5,7 +5,7 @@ Four experts, two per token, two layers of hidden 16: small enough for 4 gloo ra
 outputs its logits so the causal-LM loss includes the load-balancing loss, weighted
 0.1 (the models default to 0.001 or 0.01, too little for a test to notice it).
 `plain_moe` is a model of plain modules whose experts class is registered with
-`register_experts`, as a user's would be. Qwen2-MoE's
+`sw.register_experts`, as a user's would be. Qwen2-MoE's
 attention key biases are frozen, for the reason tiny_models.py gives.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.parallel.experts import register_experts
+import shardwise as sw
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 EXPERTS, TOP_K, HIDDEN = 4, 2, 16
@@ -65,7 +65,7 @@ def moe_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> t
     return loss + AUX_WEIGHT * out.aux_loss, out.aux_loss
 
 
-@register_experts(num_experts="count")
+@sw.register_experts(num_experts="count")
 class PlainExperts(nn.Module):
     """A user's own experts module: `count` GELU MLPs with their weights stacked along dim 0."""
 

@@ -35,6 +35,8 @@ _EXPORTS = {
     "set_tensor_parallelism": "parallel.tensor.marks",
     "tp_register": "parallel.tensor.registration",
     "tp_register_with_module": "parallel.tensor.registration",
+    "register_experts": "parallel.experts",
+    "register_experts_with_module": "parallel.experts",
     "model_creation": "nn.creation",
     "partition": "parallel.pipeline.placement",
     "set_partition": "parallel.pipeline.placement",
