@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from shardwise.cli import build_parser, main
-from shardwise.cli.run import deepspeed_selection
+from shardwise.launcher.from_args import deepspeed_selection
 from shardwise.launcher import LaunchError, parse_hostfile_text, resolve
 from shardwise.launcher import spec as spec_module
 from shardwise.launcher.environment import visible_devices_env

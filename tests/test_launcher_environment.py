@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from shardwise.cli.run import scheduler_shape
+from shardwise.launcher.from_args import scheduler_shape
 from shardwise.launcher import LaunchError
 from shardwise.launcher.environment import Environment, detect, expand_nodelist
 
