@@ -119,6 +119,7 @@ def test_cli_writes_the_best_config_run_accepts(tiny, capsys):
     validate(best, Cluster(nodes=1, devices_per_node=2))
     assert (tiny / "out" / "best_cmd.txt").read_text().startswith("shardwise run --nproc-per-node 2 --config ")
     assert "regret of its pick 1.00" in out and "best (throughput): trial 1" in out
+    assert 'alt="predicted and measured"' in (tiny / "out" / "tune_report.html").read_text()
     assert main(["tune", "--model", "tiny_tune:build", "--input-shape", "16", "--results", "out", "x.py"]) == 2
     assert "trials.jsonl exists" in capsys.readouterr().err
 

@@ -69,3 +69,20 @@ def test_runs_go_to_their_own_directory(monkeypatch, tmp_path, chosen):
         run_dir, 1, 1.0, failure="crash", message="x"))
     result = tune(chosen[:1], TuneSettings(script="x.py", results=tmp_path / "r", runs=tmp_path / "exps"))
     assert seen == [Path(tmp_path / "exps" / "trial1")] and result.best is None
+
+
+def test_the_report_shows_each_trial_and_its_plot_loads(monkeypatch, tmp_path, chosen):
+    pytest.importorskip("matplotlib")
+    from test_observe_report import _BROWSER, images_in_browser
+
+    from shardwise.tune.report import write_tune_report
+
+    _trials(monkeypatch, OUTCOMES)
+    settings = TuneSettings(script="x.py", metric="latency", results=tmp_path / "results")
+    page = write_tune_report(tune(chosen, settings), settings)
+    html = page.read_text()
+    assert html.count("<tr><td class=\"n\">") == 4 and "crash" in html and "trial 3" in html
+    assert "regret of the planner&#39;s pick</th><td>1.50" in html  # plan #1: 0.3 s, the best: 0.2 s
+    if _BROWSER is None:
+        pytest.skip("no Chromium to open the report in (Debian: apt-get install -y chromium)")
+    assert images_in_browser(page, tmp_path) == {"predicted and measured": "yes"}

@@ -26,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "the top --trials as a real `shardwise run` stopped after --steps optimizer steps, measure step "
                     "time after warm-up, throughput and peak memory per rank, name each failure (refused, "
                     "out_of_memory, hang, crash, unmeasured) and go on. Writes <results>/trials.jsonl, one run "
-                    "directory per trial, best_config.json, best_cmd.txt and summary.json, and prints predicted vs "
-                    "measured per trial with Spearman's rho and the regret of the planner's pick. One node only. "
-                    "Exit 2 on bad input, 1 when no trial was measured.")
+                    "directory per trial, best_config.json, best_cmd.txt, summary.json and tune_report.html, and "
+                    "prints predicted vs measured per trial with Spearman's rho and the regret of the planner's "
+                    "pick. One node only. Exit 2 on bad input, 1 when no trial was measured.")
     p.add_argument("--model", required=True, metavar="MODEL",
                    help=f"the model the script trains, as `shardwise plan --model` takes it (a preset such as "
                         f"{', '.join(sorted(MODEL_PRESETS)[:3])}, FAMILY[:key=value,...], a config.json path or "
@@ -149,4 +149,10 @@ def run(args: argparse.Namespace) -> int:
     result = tune(chosen, settings, on_trial=report)
     best_path = write_results(result, settings)
     print_results(result, settings, best_path)
+    try:
+        from ..tune.report import write_tune_report  # matplotlib (optional) loads only here
+
+        print(f"shardwise tune: report: {write_tune_report(result, settings)}")
+    except ImportError as err:
+        print(f"shardwise tune: no tune_report.html: {err}", file=sys.stderr)
     return 0 if best_path else 1

@@ -14,21 +14,25 @@ from statistics import median
 from typing import Any, Optional
 
 import jinja2
+from markupsafe import Markup
 
 from .report_data import RunData, read_run
 from .report_plots import PLOTS, byte_unit
 
 REPORT_FILE = "report.html"
 
-_TEMPLATE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>shardwise report: {{ name }}</title>
-<style>
+# The pages' style (the run report's and the tuning report's).
+STYLE = """<style>
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; }
 table { border-collapse: collapse; } td, th { padding: 0.2em 0.8em; border-bottom: 1px solid #ddd; text-align: left; }
 td.n { text-align: right; font-variant-numeric: tabular-nums; }
 figure { margin: 1.5em 0; } img { max-width: 100%; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
-</style></head><body>
+</style>"""
+
+_TEMPLATE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>shardwise report: {{ name }}</title>
+{{ style }}</head><body>
 <h1>shardwise report: {{ name }}</h1>
 <p>{{ root }}</p>
 <h2>Summary</h2>
@@ -82,7 +86,8 @@ def summary(run: RunData) -> list[tuple[str, str]]:
     return rows
 
 
-def _png(figure) -> str:
+def png_data(figure) -> str:
+    """A figure as base64 PNG, for an <img src="data:image/png;base64,..."> (the page stays one file)."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
@@ -96,13 +101,13 @@ def render(run: RunData) -> str:
         if figure is None:
             missing.append(f"{title} ({key})")
         else:
-            plots.append({"name": name, "title": title, "png": _png(figure)})
+            plots.append({"name": name, "title": title, "png": png_data(figure)})
     comms = run.comms()
     size, unit = byte_unit(max((t.bytes for t in comms), default=1))
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(_TEMPLATE).render(
-        name=run.root.name, root=str(run.root.resolve()), summary=summary(run), plots=plots, missing=missing,
-        layout=run.layout_text(),
+        style=Markup(STYLE), name=run.root.name, root=str(run.root.resolve()), summary=summary(run), plots=plots,
+        missing=missing, layout=run.layout_text(),
         config=json.dumps(run.config, indent=2) if run.config is not None else "(no config.json in the run directory)",
         comms_unit=unit, comms=[(t.group, t.collective, _number(t.count), _number(t.bytes / size), _number(t.time_s),
                                  _number(t.algbw_gbps), _number(t.busbw_gbps)) for t in comms])

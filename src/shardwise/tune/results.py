@@ -20,7 +20,8 @@ from .tuner import TRIALS_FILE, TuneResult, TuneSettings
 BEST_CONFIG_FILE = "best_config.json"
 BEST_CMD_FILE = "best_cmd.txt"
 SUMMARY_FILE = "summary.json"
-RESULT_FILES = (BEST_CONFIG_FILE, BEST_CMD_FILE, SUMMARY_FILE)
+REPORT_FILE = "tune_report.html"  # written by report.py
+RESULT_FILES = (BEST_CONFIG_FILE, BEST_CMD_FILE, SUMMARY_FILE, REPORT_FILE)
 
 
 def best_command(settings: TuneSettings, config_path: Path) -> str:
@@ -42,28 +43,36 @@ def write_results(result: TuneResult, settings: TuneSettings) -> Optional[Path]:
     return path
 
 
-def _num(value: Optional[float], fmt: str) -> str:
+def number(value: Optional[float], fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _layout(row: dict[str, Any]) -> str:
+def layout_text(row: dict[str, Any]) -> str:
+    """A trial's degrees above 1 and its ZeRO stage, e.g. `dp_shard=2 zero3`."""
     shown = " ".join(f"{k}={v}" for k, v in row["layout"].items() if v != 1)
     stage = row["config"].get("zero_stage") or (1 if row["config"].get("shard_optimizer_state") else 0)
     return (shown or "one replica") + (f" zero{stage}" if stage else "")
 
 
+COLUMNS = ("#", "plan", "layout", "pred s", "step s", "err", "pred GiB", "peak GiB", "err", "samples/s", "result")
+
+
+def cells(row: dict[str, Any], best: Optional[dict[str, Any]]) -> list[str]:
+    """One trial as the console table and the HTML report show it (COLUMNS)."""
+    return [str(row["trial"]), str(row["plan_rank"]), layout_text(row),
+            number(row["predicted_step_time_s"], ".4f"), number(row["measured_step_time_s"], ".4f"),
+            number(row["step_time_error"], "+.0%"), number(row["predicted_memory_bytes"] / GiB, ".2f"),
+            number(row["max_memory_bytes"] and row["max_memory_bytes"] / GiB, ".2f"),
+            number(row["memory_error"], "+.0%"), number(row["samples_per_s"], ".1f"),
+            "best" if best is row else ("ok" if row["failure"] is None else row["failure"])]
+
+
 def trials_table(rows: Sequence[dict[str, Any]], best: Optional[dict[str, Any]]) -> Table:
     table = Table(title="trials (predicted vs measured; error = predicted / measured - 1)", title_justify="left")
-    for name in ("#", "plan", "layout", "pred s", "step s", "err", "pred GiB", "peak GiB", "err", "samples/s",
-                 "result"):
+    for name in COLUMNS:
         table.add_column(name, justify="left" if name in ("layout", "result") else "right")
     for row in rows:
-        result = "best" if best is row else ("ok" if row["failure"] is None else row["failure"])
-        table.add_row(str(row["trial"]), str(row["plan_rank"]), _layout(row),
-                      _num(row["predicted_step_time_s"], ".4f"), _num(row["measured_step_time_s"], ".4f"),
-                      _num(row["step_time_error"], "+.0%"), _num(row["predicted_memory_bytes"] / GiB, ".2f"),
-                      _num(row["max_memory_bytes"] and row["max_memory_bytes"] / GiB, ".2f"),
-                      _num(row["memory_error"], "+.0%"), _num(row["samples_per_s"], ".1f"), result)
+        table.add_row(*cells(row, best))
     return table
 
 
@@ -75,9 +84,9 @@ def print_results(result: TuneResult, settings: TuneSettings, best_path: Optiona
         if row["failure"]:
             console.print(f"trial {row['trial']} {row['failure']}: {row['message']}", markup=False, highlight=False)
     a = result.accuracy
-    console.print(f"planner: Spearman rho {_num(a.spearman_step_time, '.2f')} over {a.trials} measured trials; "
-                  f"regret of its pick {_num(a.regret, '.2f')}; mean |error| step time "
-                  f"{_num(a.mean_abs_step_time_error, '.0%')}, memory {_num(a.mean_abs_memory_error, '.0%')}",
+    console.print(f"planner: Spearman rho {number(a.spearman_step_time, '.2f')} over {a.trials} measured trials; "
+                  f"regret of its pick {number(a.regret, '.2f')}; mean |error| step time "
+                  f"{number(a.mean_abs_step_time_error, '.0%')}, memory {number(a.mean_abs_memory_error, '.0%')}",
                   markup=False, highlight=False)
     console.print(f"stopped: {result.stopped}", markup=False, highlight=False)
     if best_path is None:

@@ -4,9 +4,10 @@ optimizer steps (runtime/step_limit.py), measured from its run directory, or its
 A trial runs as a child `shardwise run`, so that whatever the script does (crash, run out of memory, hang) ends
 that launch and not the tuning run. Failure kinds: `refused` (the config is refused by validation on this
 cluster, before any rank starts, or by the runtime at `sw.init`), `out_of_memory` (an allocator's out-of-memory
-error, a CPU allocator's "can't allocate memory", or a rank killed by SIGKILL, as the kernel's OOM killer does), `hang` (no end by the trial's deadline: the
-launch is stopped with SIGTERM, which stops every rank), `crash` (any other failing exit), `unmeasured` (it ended
-without recording a step after warm-up: the script takes fewer steps, or steps no DistributedOptimizer).
+error, a CPU allocator's "can't allocate memory", or a rank killed by SIGKILL, as the kernel's OOM killer does),
+`hang` (no end by the trial's deadline: the launch is stopped with SIGTERM, which stops every rank), `crash` (any
+other failing exit), `unmeasured` (it ended without recording a step after warm-up: the script takes fewer steps,
+or steps no DistributedOptimizer).
 """
 
 from __future__ import annotations
