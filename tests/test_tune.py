@@ -128,7 +128,11 @@ def test_failure_kinds_from_what_the_launch_said():
     assert classify(2, "shardwise run: sharded_data_parallel_degree=3 ...", "")[0] == "refused"
     assert classify(1, "", "shardwise.errors.ConfigError: bad key")[0] == "refused"
     assert classify(1, "", "torch.OutOfMemoryError: CUDA out of memory.")[0] == "out_of_memory"
-    assert classify(-9, "rank 1 failed first (signal SIGKILL)", "")[0] == "out_of_memory"
+    killed = "shardwise run: rank 1 (node 0, local rank 1) failed first (killed by SIGKILL)"
+    assert classify(-9, killed, "")[0] == "out_of_memory"
+    stopped_later = "shardwise run: rank 0 (node 0, local rank 0) failed first (exit code 1)\nalso failed: rank 1 " \
+                    "(killed by SIGKILL)"
+    assert classify(1, stopped_later, "ValueError: boom")[0] == "crash"
     assert classify(1, "", "ValueError: boom")[0] == "crash"
 
 

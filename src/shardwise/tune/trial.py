@@ -4,7 +4,8 @@ optimizer steps (runtime/step_limit.py), measured from its run directory, or its
 A trial runs as a child `shardwise run`, so that whatever the script does (crash, run out of memory, hang) ends
 that launch and not the tuning run. Failure kinds: `refused` (the config is refused by validation on this
 cluster, before any rank starts, or by the runtime at `sw.init`), `out_of_memory` (an allocator's out-of-memory
-error, a CPU allocator's "can't allocate memory", or a rank killed by SIGKILL, as the kernel's OOM killer does),
+error, a CPU allocator's "can't allocate memory", or the first rank to fail killed by SIGKILL, as the kernel's OOM
+killer does),
 `hang` (no end by the trial's deadline: the launch is stopped with SIGTERM, which stops every rank), `crash` (any
 other failing exit), `unmeasured` (it ended without recording a step after warm-up: the script takes fewer steps,
 or steps no DistributedOptimizer).
@@ -30,7 +31,9 @@ from ..topology import Cluster
 from .measure import Measurement, measure_run
 
 FAILURE_KINDS = ("refused", "out_of_memory", "hang", "crash", "unmeasured")
-_OOM_SIGNS = ("OutOfMemoryError", "out of memory", "MemoryError", "can't allocate memory", "SIGKILL")
+_OOM_SIGNS = ("OutOfMemoryError", "out of memory", "MemoryError", "can't allocate memory")
+# The launcher's line when the first rank to fail was killed with SIGKILL (peers it stops later are not the cause).
+_KILLED_FIRST = "failed first (killed by SIGKILL)"
 _REFUSED_SIGNS = ("ConfigError",)
 _STOP_GRACE_SECONDS = 30
 _CLI = "import sys; from shardwise.cli import main; sys.exit(main())"
@@ -87,8 +90,8 @@ def classify(exit_code: int, launcher_err: str, rank_logs: str) -> tuple[str, Op
     if any(sign in rank_logs for sign in _REFUSED_SIGNS) or (exit_code == 2 and "shardwise run:" in launcher_err
                                                               and not rank_logs):
         return "refused", _last_line(text, (*_REFUSED_SIGNS, "shardwise run:"))
-    if any(sign in text for sign in _OOM_SIGNS) or exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL):
-        return "out_of_memory", _last_line(text, _OOM_SIGNS)
+    if any(sign in text for sign in _OOM_SIGNS) or _KILLED_FIRST in launcher_err:
+        return "out_of_memory", _last_line(text, (*_OOM_SIGNS, _KILLED_FIRST))
     return "crash", _last_line(text, ("Error", "failed first"))
 
 
