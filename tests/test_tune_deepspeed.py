@@ -97,3 +97,15 @@ def test_candidates_in_plan_order_or_shuffled_each_over_the_base_without_its_lay
     shuffled = candidates(spec, cluster, base, limit=10, global_batch=4, shuffled=True)
     assert sorted(c.rank for c in shuffled) == [c.rank for c in ordered]
     assert [c.rank for c in shuffled] != [c.rank for c in ordered]
+
+
+def test_overwrite_clears_an_earlier_run_and_its_trials_or_refuses_them(tmp_path, capsys):
+    from shardwise.cli.tune import _clear
+
+    (tmp_path / "trial1" / "metrics").mkdir(parents=True)
+    for name in ("trials.jsonl", "trial1.config.json", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    assert not _clear(tmp_path, tmp_path, overwrite=False)
+    assert "trials.jsonl exists; pass another --results, or --overwrite" in capsys.readouterr().err
+    assert _clear(tmp_path, tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

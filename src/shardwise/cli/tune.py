@@ -4,6 +4,8 @@ the measured best written as a config `shardwise run --config` takes (docs/tune.
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -66,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--results", metavar="DIR", help="where results go (default tune_results)")
     p.add_argument("--runs-dir", metavar="DIR", help="where each trial's run directory goes (default: --results)")
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None,
-                   help="replace the results of an earlier tuning run in --results (default: refuse them)")
+                   help="replace an earlier tuning run's results and trial directories (default: refuse them)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(handler=run)
@@ -102,14 +104,19 @@ def _settings(args: argparse.Namespace) -> dict:
             for key, default in _DEFAULTS.items()}
 
 
-def _clear(results: Path, overwrite: bool) -> bool:
-    """Make room for this run's results; False (said why) when an earlier run's are there and may not go."""
+def _clear(results: Path, runs: Path, overwrite: bool) -> bool:
+    """Make room for this run's results; False (said why) when an earlier run's are there and may not go. Its
+    trial directories go too: a run directory used again appends to its metrics."""
     earlier = [results / name for name in (TRIALS_FILE, *RESULT_FILES) if (results / name).exists()]
+    earlier += [path for path in sorted(runs.glob("trial*")) if re.fullmatch(r"trial\d+(\.config\.json)?", path.name)]
     if earlier and not overwrite:
         print(f"shardwise tune: {earlier[0]} exists; pass another --results, or --overwrite", file=sys.stderr)
         return False
     for path in earlier:
-        path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     return True
 
 
@@ -123,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
               "some step is measured", file=sys.stderr)
         return 2
     results = Path(s["results"])
-    if not _clear(results, s["overwrite"]):
+    runs = Path(s["runs_dir"]) if s["runs_dir"] else results
+    if not _clear(results, runs, s["overwrite"]):
         return 2
     base = _base_config(args.config)
     try:
@@ -138,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     settings = TuneSettings(script=args.script, script_args=tuple(args.script_args), nproc=args.nproc_per_node,
                             steps=s["steps"], warmup=s["warmup"], metric=s["metric"], time_budget_s=args.time_budget,
                             trial_deadline_s=args.trial_timeout, early_stopping=s["early_stopping"], results=results,
-                            runs=Path(s["runs_dir"]) if s["runs_dir"] else None)
+                            runs=runs)
     print(f"shardwise tune: {len(chosen)} candidates of {spec.name} on {cluster.name}; results in {results}",
           flush=True)
 
