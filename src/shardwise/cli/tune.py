@@ -131,8 +131,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     results = Path(s["results"])
     runs = Path(s["runs_dir"]) if s["runs_dir"] else results
-    if not _clear(results, runs, s["overwrite"]):
-        return 2
     base = _base_config(args.config)
     try:
         spec = resolve_model(args.model, input_shape=args.input_shape, seq=args.seq)
@@ -142,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
                             shuffled=s["order"] == "random")
     except PlanError as err:
         print(f"shardwise tune: {err}", file=sys.stderr)
+        return 2
+    if not _clear(results, runs, s["overwrite"]):
         return 2
     settings = TuneSettings(script=args.script, script_args=tuple(args.script_args), nproc=args.nproc_per_node,
                             steps=s["steps"], warmup=s["warmup"], metric=s["metric"], time_budget_s=args.time_budget,
