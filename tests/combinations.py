@@ -63,10 +63,13 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
     "cp": (4, 4, {"context_parallel_degree": 2}),
     "cp-all-to-all-zero3": (4, 4, {"context_parallel_degree": 2, "context_parallel_mode": "all_to_all",
                                    "sharded_data_parallel_degree": 2}),
-    # expert parallelism: each MoE layer's experts over 2 ranks of ZeRO-3's sharding group, and beside tensor
-    # parallelism on the attention; it splits mixture-of-experts families only, so it runs in VARIANT_ROWS
+    # expert parallelism: each MoE layer's experts over 2 ranks of ZeRO-3's sharding group, beside tensor
+    # parallelism on the attention, and in each of two pipeline stages; it splits mixture-of-experts families only,
+    # so it runs in VARIANT_ROWS
     "zero3-ep": (4, 4, {"sharded_data_parallel_degree": 4, "expert_parallel_degree": 2}),
     "tp-ep": (4, 4, {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2}),
+    "pp-ep": (4, 4, {"pipeline_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2,
+                     "microbatches": 2}),
 }
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 # What moves to host memory: nothing, the optimizer's states (and what it steps), or checkpointed regions' inputs.
@@ -98,6 +101,7 @@ VARIANT_ROWS = [
     ("zero3-ep", "mixtral", "bf16", False, "none", "before", False, "optimizer"),
     ("tp-ep", "mixtral", "fp32", False, "matmul", "after", True, "activations"),
     ("tp-ep", "mixtral", "fp16", True, "none", "before", False, "none"),
+    ("pp-ep", "mixtral", "bf16", True, "each", "after", True, "none"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {

@@ -19,8 +19,8 @@ Rows the matrix once found wrong (`REGRESSIONS`) run besides the covering array,
 a few rows of layout variants (`VARIANTS`: MiCS with its cross-group all-reduce in bf16,
 compared within that reduction's own tolerance; the module-graph pipeline cut with two stages
 per rank and with tensor-parallel stages; context parallelism, ring under DDP and all-to-all under ZeRO-3, whose
-attention splits the causal text families; expert parallelism under ZeRO-3 and beside tensor parallelism, which
-splits the experts of a Mixtral, the mixture-of-experts family).
+attention splits the causal text families; expert parallelism under ZeRO-3, beside tensor parallelism and in
+pipeline stages, which splits the experts of a Mixtral, the mixture-of-experts family).
 
 `python bench/combinations.py` runs the full product and writes docs/combinations.md.
 """

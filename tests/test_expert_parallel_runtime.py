@@ -122,8 +122,8 @@ def test_the_degree_must_be_a_positive_integer():
         parse_config({"expert_parallel_degree": 0})
 
 
-def test_pipelines_are_refused_for_now():
-    assert _message({"sharded_data_parallel_degree": 2, "expert_parallel_degree": 2,
-                     "pipeline_parallel_degree": 2}) == (
-        "invalid shardwise config: expert_parallel_degree=2: does not combine with pipeline_parallel_degree > 1 "
-        "yet; fix: set pipeline_parallel_degree to 1, or expert_parallel_degree to 1")
+def test_a_pipeline_cut_from_the_module_graph_is_refused():
+    assert _message({"sharded_data_parallel_degree": 2, "expert_parallel_degree": 2, "pipeline_parallel_degree": 2,
+                     "pipeline_cut": "graph"}) == (
+        "invalid shardwise config: expert_parallel_degree=2: does not combine with pipeline_cut 'graph' yet (a "
+        "pipeline cut from the module graph keeps no experts modules); fix: set pipeline_cut to 'blocks' or 'auto'")

@@ -2,8 +2,8 @@
 
 As torchtitan does, the `ep` ranks of a mixture-of-experts layer are a slice of `dp_shard` (dp_shard =
 expert-sharding × ep): each expert share is then sharded by ZeRO over the dp_shard / ep ranks left, and its
-gradients are reduced over those and the replicas only. Pipelines are refused for now (context parallelism
-refuses EP in config/context.py). The rule about the model (its number of experts, or having experts at all) is
+gradients are reduced over those and the replicas only. A pipeline cut along the block list splits each
+stage's experts; one cut from the module graph is refused (context parallelism refuses EP in config/context.py). The rule about the model (its number of experts, or having experts at all) is
 checked where the model is known (parallel/experts/).
 """
 
@@ -25,9 +25,9 @@ def expert_problems(config: ShardwiseConfig, layout: Layout) -> list[Problem]:
     ep, shard = config.expert_parallel_degree, layout.dp_shard
     if ep == 1:
         return []
-    if layout.pp > 1:  # not yet: each stage's experts would need splitting; refused rather than ignored
-        return [Problem(KEY, ep, "does not combine with pipeline_parallel_degree > 1 yet",
-                        "set pipeline_parallel_degree to 1, or expert_parallel_degree to 1")]
+    if layout.pp > 1 and config.pipeline_cut == "graph":  # its stages are graphs: no experts module to split
+        return [Problem(KEY, ep, "does not combine with pipeline_cut 'graph' yet (a pipeline cut from the module "
+                        "graph keeps no experts modules)", "set pipeline_cut to 'blocks' or 'auto'")]
     if shard == 1:
         return [Problem(KEY, ep, "borrows its ranks from the sharding group, and this config shards over none "
                         "(ZeRO-2/3 shard; DDP and ZeRO-1 do not)",

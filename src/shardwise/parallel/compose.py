@@ -32,7 +32,7 @@ from ..config.decisions import Decisions, PrecisionMode
 from ..config.effects import changed
 from . import precision
 from .precision import ScalingRule
-from .experts import (apply_expert_parallel, expert_parallel_modules, has_experts,
+from .experts import (apply_expert_parallel, expert_parallel_modules, has_experts, require_experts,
                       use_global_load_balancing)
 from .context import apply_context_parallel
 from .context.batch import split_sequences
@@ -54,12 +54,18 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
     """`tp_plan`: the user's tensor-parallel plan, for models without a built-in one; `ddp_options`: what
     torch's DistributedDataParallel takes, where the composition chooses it (SMP's DistributedModel arguments)."""
     decisions = Decisions(config, mesh.layout)
+    if decisions.expert_parallel:
+        require_experts(module)
     wrap = functools.partial(wrap_part, mesh=mesh, decisions=decisions, ddp_options=ddp_options)
     split = functools.partial(split_part, mesh=mesh, decisions=decisions)
     # ZeRO-1 under a pipeline: steps once the schedule's microbatches are all back, tied copies summed first
     zero1 = functools.partial(_zero1, mesh, decisions, config.microbatches) if (
         decisions.pipelining and decisions.shards_optimizer_state) else None
     if decisions.graph_cut(has_block_list(module)):  # cut from the module graph at the first @step
+        if decisions.expert_parallel:  # its stages are graphs: no experts module left to split
+            raise ValueError(f"expert parallelism: {type(module).__name__} has no block list, and a pipeline cut "
+                             "from its module graph keeps no experts modules; fix: give it a list of blocks (an "
+                             "nn.ModuleList), or set expert_parallel_degree to 1")
         return GraphPipeline(module, mesh, pipeline_settings(decisions), wrap, zero1, tp_plan=tp_plan)
     if decisions.pipelining:  # cuts the model into stages, then the same steps per stage
         return apply_pipeline(module, mesh, pipeline_settings(decisions), tp_plan, split, wrap, zero1)
@@ -69,7 +75,6 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
     place(module, mesh)
     split(module, [module], tp_plan)
     split_context(module, mesh, decisions)
-    split_experts(module, mesh, decisions)
     return wrap(module)
 
 
@@ -136,6 +141,7 @@ def split_part(module: nn.Module, callees: list[nn.Module], tp_plan: PlanLike, *
         apply_tensor_parallel(module, mesh["tp"], tp_plan, sequence_parallel=decisions.sequence_parallel)
         for callee in callees:
             TensorParallelBatch(mesh["tp"], decisions.config.prescaled_batch).install(callee)
+    split_experts(module, mesh, decisions)
 
 
 def wrap_part(part: nn.Module, *, mesh: ParallelMesh, decisions: Decisions, reshard_after_forward: bool = True,
@@ -166,12 +172,15 @@ def wrap_part(part: nn.Module, *, mesh: ParallelMesh, decisions: Decisions, resh
 
 
 def split_experts(module: nn.Module, mesh: ParallelMesh, decisions: Decisions) -> None:
-    """Expert parallelism: each experts module split over `ep`. A model with experts computes its load-balancing
-    loss over the global batch whenever data-parallel ranks split it, as one process would."""
+    """Expert parallelism: each experts module of `module` (the model, or what a pipeline rank keeps of it) split
+    over `ep`. A model with experts computes its load-balancing loss over the global batch whenever data-parallel
+    ranks split it, as one process would."""
     data = mesh["rdp"].get_group() if mesh.layout.dp > 1 else None
+    if not has_experts(module):
+        return
     if decisions.expert_parallel:
         apply_expert_parallel(module, mesh["ep"], data)
-    elif data is not None and has_experts(module):
+    elif data is not None:
         use_global_load_balancing(module, data)
 
 

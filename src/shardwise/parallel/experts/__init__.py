@@ -1,7 +1,7 @@
 """Expert parallelism: a mixture-of-experts model's experts split over `ep` ranks, tokens sent to them by
 all-to-all (dispatch.py), the load-balancing loss over the global batch (load_balancing.py)."""
 
-from .apply import apply_expert_parallel, expert_parallel_modules
+from .apply import apply_expert_parallel, expert_parallel_modules, require_experts
 from .dispatch import Traffic, dispatch_combine
 from .layer import ExpertParallel
 from .load_balancing import load_balancing_loss, use_global_load_balancing
@@ -10,5 +10,5 @@ from .registration import count_attribute, experts_modules, has_experts, registe
 __all__ = [
     "ExpertParallel", "Traffic", "apply_expert_parallel", "count_attribute", "dispatch_combine",
     "expert_parallel_modules", "experts_modules", "has_experts", "load_balancing_loss", "register_experts",
-    "register_experts_with_module", "use_global_load_balancing",
+    "register_experts_with_module", "require_experts", "use_global_load_balancing",
 ]
