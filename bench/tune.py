@@ -1,0 +1,81 @@
+"""`shardwise tune` on GPT-2 and Llama (bench/tune_train.py) on N CPU ranks of this machine: the trials, and how
+good the planner's ranking was (Spearman's rho, the regret of its pick, the mean absolute errors).
+
+    python bench/tune.py --nproc 4 --trials 3 --steps 3 --out bench_tune
+
+Each family's results directory holds trials.jsonl, tune_report.html and the trials' run directories; the
+summary table is printed as markdown for docs/tune.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parent / "tune_train.py"
+MODELS = {  # the planner's view of bench/tune_train.py's models
+    "gpt2": "gpt2:vocab_size=256,n_positions=64,n_embd=128,n_layer=4,n_head=4",
+    "llama": "llama:hidden_size=128,intermediate_size=256,num_hidden_layers=4,num_attention_heads=4,"
+             "num_key_value_heads=2,vocab_size=256,max_position_embeddings=64",
+}
+CLI = "import sys; from shardwise.cli import main; sys.exit(main())"
+
+
+def _percent(value) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
+def _layout(row: dict) -> str:
+    """Degrees above 1, then the config's other layout keys, e.g. `dp_shard=4 zero_stage=3 microbatches=2`."""
+    degrees = [f"{k}={v}" for k, v in row["layout"].items() if v != 1]
+    keys = [f"{k}={v}" for k, v in row["config"].items() if k not in ("sharded_data_parallel_degree", "bf16")]
+    return " ".join(degrees + keys) or "DDP"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
+    p.add_argument("--families", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
+    p.add_argument("--out", type=Path, default=Path("bench_tune"))
+    args = p.parse_args()
+    lines = ["| model | ranks | trial | plan | layout | predicted s | measured s | error | predicted GiB | peak GiB "
+             "| error | result |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summaries = {}
+    for family in args.families:
+        results = args.out / family
+        command = [sys.executable, "-c", CLI, "tune", "--model", MODELS[family], "--seq", "64", "--global-batch",
+                   str(args.batch_size * args.nproc), "--nproc-per-node", str(args.nproc), "--trials",
+                   str(args.trials), "--steps", str(args.steps), "--results", str(results), "--overwrite",
+                   str(TRAIN), "--family", family, "--batch-size", str(args.batch_size)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        print(done.stdout[-4000:], done.stderr[-2000:], sep="\n", file=sys.stderr)
+        if done.returncode not in (0, 1):
+            raise SystemExit(f"shardwise tune for {family} exited {done.returncode}")
+        summaries[family] = json.loads((results / "summary.json").read_text())
+        for line in (results / "trials.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            peak = row["max_memory_bytes"]
+            lines.append(
+                f"| {family} | {args.nproc} | {row['trial']} | {row['plan_rank']} | {_layout(row)} "
+                f"| {row['predicted_step_time_s']:.4f} | {row['measured_step_time_s'] or 0:.4f} "
+                f"| {_percent(row['step_time_error'])} | {row['predicted_memory_bytes'] / 2**30:.2f} "
+                f"| {peak / 2**30 if peak else 0:.2f} | {_percent(row['memory_error'])} | {row['failure'] or 'ok'} |")
+    lines += ["", "| model | measured trials | Spearman rho | regret of plan #1 | mean abs error step time | memory |",
+              "|---|---|---|---|---|---|"]
+    for family, s in summaries.items():
+        rho = "–" if s["spearman_step_time"] is None else f"{s['spearman_step_time']:.2f}"
+        regret = "–" if s["regret"] is None else f"{s['regret']:.2f}"
+        lines.append(f"| {family} | {s['trials']} | {rho} | {regret} | {_percent(s['mean_abs_step_time_error'])} "
+                     f"| {_percent(s['mean_abs_memory_error'])} |")
+    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
