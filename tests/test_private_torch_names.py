@@ -10,8 +10,10 @@ key, an op). A subclass may override or read on `self` the members `torch_intern
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -51,7 +53,9 @@ def _members(owner: object) -> set[str]:
 def _class_members(cls: type) -> set[str]:
     """The private members of `cls` and of an instance built without arguments, where one can be."""
     try:
-        return _members(cls) | _members(cls())
+        with warnings.catch_warnings():  # a scaler built for CUDA warns where there is none
+            warnings.simplefilter("ignore")
+            return _members(cls) | _members(cls())
     except Exception:  # abstract, or needs arguments: the class's own members only
         return _members(cls)
 
@@ -169,8 +173,6 @@ class _Reader(ast.NodeVisitor):
 
 def _resolve(dotted: str) -> object:
     """The torch object at `dotted` (a module or a member of one), or None where it cannot be reached."""
-    import importlib
-
     try:
         return importlib.import_module(dotted)
     except ImportError:
