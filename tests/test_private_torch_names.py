@@ -198,8 +198,9 @@ def offenders(root: pathlib.Path) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         if path.relative_to(root).as_posix() == INTERNALS:
             continue
-        reader = _Reader(ast.parse(path.read_text()))
-        reader.visit(ast.parse(path.read_text()))
+        tree = ast.parse(path.read_text())
+        reader = _Reader(tree)
+        reader.visit(tree)
         found += [f"{path.relative_to(root).as_posix()}:{line}" for line in reader.found]
     return found
 
