@@ -82,3 +82,14 @@ def test_a_sequence_the_degree_does_not_split_is_refused():
     with pytest.raises(ValueError, match=r"^sequence length 12 does not split into 2 x context_parallel_degree = 8 "
                                          r"equal chunks: pad sequences to a multiple of 8$"):
         shard_batch(torch.zeros(1, 12, dtype=torch.long), 0, 4)
+
+
+def test_the_planner_refuses_to_predict_a_cp_layout_it_does_not_model():
+    from shardwise.planner import cluster_preset, evaluate, resolve_model
+
+    spec, cluster = resolve_model("vit-630m"), cluster_preset("8xg4dn.12xlarge")
+    result = evaluate(spec, cluster, {"context_parallel_degree": 2}, global_batch=128)
+    assert not result.fits and result.memory is None
+    assert result.reason == ("context_parallel_degree=2: the planner does not predict context parallelism yet (its "
+                             "traffic and activation share are in planner/context.py, not in the memory and time "
+                             "model); fix: plan without it, and see docs/context_parallel.md for its measured effect")

@@ -28,6 +28,7 @@ from .hardware import GiB, ClusterSpec
 from .memory import MemoryBreakdown, predict_memory
 from .offload import moves_to_host
 from .experts import expert_degrees
+from .context import unplanned
 from .spec import ModelSpec
 from .timing import StepTime, predict_step_time
 
@@ -185,7 +186,7 @@ def evaluate(spec: ModelSpec, cluster: ClusterSpec, config: Union[Mapping, Shard
     config, layout = validate(given, cluster.topology)
     d = config.model_dump(exclude_defaults=True)
     seq = seq or spec.seq_len
-    problems = _model_problems(spec, layout, global_batch, seq, config.sequence_parallel)
+    problems = _model_problems(spec, layout, global_batch, seq, config.sequence_parallel) + unplanned(layout.cp)
     batch = global_batch // layout.dp
     if not problems and batch % config.microbatches:
         problems.append(Problem("microbatches", config.microbatches,
