@@ -142,20 +142,6 @@ class Decisions:
         return self.wrapping() is Wrapping.SHARDED and self.layout.dp_replicate > 1 and self.cross_group is None
 
     @property
-    def context_parallel_degree(self) -> int:
-        """Ranks every sequence is split over: the layout's cp axis (config/context.py)."""
-        return self.layout.cp
-
-    @property
-    def context_parallel(self) -> bool:
-        return self.layout.cp > 1
-
-    @property
-    def context_parallel_mode(self) -> str:
-        """'ring' or 'all_to_all' (parallel/context/)."""
-        return self.config.context_parallel_mode
-
-    @property
     def expert_parallel_degree(self) -> int:
         """Ranks each MoE layer's experts are split over, borrowed from the sharding group (config/experts.py)."""
         return self.config.expert_parallel_degree
