@@ -9,7 +9,8 @@ load-balancing loss is still the global batch's; also with global-norm gradient 
 decoder layer's activations recomputed (its all-to-alls run again in backward) and in bf16. Each
 matches one process on the same global batches: the mean loss per step, every rank's load-balancing
 loss, and every whole parameter within 1e-5 (bf16, with SGD: 3e-2 against the fp32 process).
-The config's rules are checked with their messages.
+The config's rules are checked with their messages, and so are DistributedModel's refusals of a model
+without experts and of experts the degree does not divide.
 """
 
 from __future__ import annotations
@@ -127,3 +128,29 @@ def test_a_pipeline_cut_from_the_module_graph_is_refused():
                      "pipeline_cut": "graph"}) == (
         "invalid shardwise config: expert_parallel_degree=2: does not combine with pipeline_cut 'graph' yet (a "
         "pipeline cut from the module graph keeps no experts modules); fix: set pipeline_cut to 'blocks' or 'auto'")
+
+
+def wrap_refused(kind: str) -> str:
+    """One rank: the message DistributedModel raises for a model expert parallelism cannot split."""
+    from tiny_moe import PlainExperts
+
+    sw.init({"sharded_data_parallel_degree": 2, "expert_parallel_degree": 2})
+    model = torch.nn.Sequential(PlainExperts(3, 4, 8)) if kind == "three experts" else _model("mixtral").model.norm
+    try:
+        sw.DistributedModel(model)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_wrapping_a_model_without_experts_names_it():
+    for message in run_distributed(wrap_refused, 2, "no experts"):
+        assert message == ("expert parallelism: MixtralRMSNorm has no experts module (none of Mixtral's, "
+                           "Qwen2-MoE's, Qwen3-MoE's, OLMoE's or a registered class); fix: set "
+                           "expert_parallel_degree to 1, or register the experts class with sw.register_experts")
+
+
+def test_wrapping_experts_the_degree_does_not_divide_is_refused():
+    for message in run_distributed(wrap_refused, 2, "three experts"):
+        assert message == ("expert parallelism: PlainExperts has 3 experts, which expert_parallel_degree 2 does "
+                           "not divide; fix: choose a degree dividing 3")
