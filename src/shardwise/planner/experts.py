@@ -113,10 +113,9 @@ def all_to_all_seconds(shape: ExpertShape, tokens: int, ep: int, element_bytes: 
             + 5 * shape.moe_layers * (ep - 1) * latency)
 
 
-def gathered_saving(spec, config, layout) -> float:
-    """`gathered_expert_saving` for a `ModelSpec` under a config and layout (0 without experts or EP)."""
-    from .wrapping import compute_bytes
-
+def gathered_saving(spec, config, layout, element_bytes: int) -> float:
+    """`gathered_expert_saving` for a `ModelSpec` under a config and layout (0 without experts or EP), gathered
+    parameters of `element_bytes` each."""
     shape, ep = spec.experts, config.expert_parallel_degree
     if shape is None or ep == 1:
         return 0.0
@@ -124,14 +123,13 @@ def gathered_saving(spec, config, layout) -> float:
     in_flight = 2 if config.effective_zero_stage == 3 else layers
     per_stage = ExpertShape(shape.experts, shape.top_k, layers * shape.moe_layers // spec.layers, shape.hidden,
                             shape.expert_tensors)
-    return gathered_expert_saving(per_stage, layers, in_flight, ep, compute_bytes(config))
+    return gathered_expert_saving(per_stage, layers, in_flight, ep, element_bytes)
 
 
-def step_seconds(spec, config, layout, cluster, micro_batch: int, seq: int) -> float:
-    """`all_to_all_seconds` of one step on the busiest stage: every microbatch's tokens, over the links the EP
-    group spans (neighbouring ranks of the sharding group: inside a node when ep × tp fits one)."""
-    from .wrapping import compute_bytes
-
+def step_seconds(spec, config, layout, cluster, micro_batch: int, seq: int, element_bytes: int) -> float:
+    """`all_to_all_seconds` of one step on the busiest stage: every microbatch's tokens (activations of
+    `element_bytes` per element), over the links the EP group spans (neighbouring ranks of the sharding group:
+    inside a node when ep × tp fits one)."""
     shape, ep = spec.experts, config.expert_parallel_degree
     if shape is None or ep == 1:
         return 0.0
@@ -143,5 +141,5 @@ def step_seconds(spec, config, layout, cluster, micro_batch: int, seq: int) -> f
     else:
         bandwidth, latency = cluster.inter_node_bandwidth / cluster.devices_per_node, cluster.inter_node_latency
     tokens = micro_batch * seq * config.microbatches
-    return all_to_all_seconds(stage, tokens, ep, compute_bytes(config), bandwidth * cluster.link_efficiency,
+    return all_to_all_seconds(stage, tokens, ep, element_bytes, bandwidth * cluster.link_efficiency,
                               latency)

@@ -130,7 +130,8 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     on_host = host_states(config, device)
     host_bytes = sum(states[k] for k in on_host)
     states = {k: 0.0 if k in on_host else v for k, v in states.items()}
-    gathered = gathered_bytes(spec, config, layout) - experts.gathered_saving(spec, config, layout)
+    saving = experts.gathered_saving(spec, config, layout, compute_bytes(config))
+    gathered = gathered_bytes(spec, config, layout) - saving
     acts = rank_activations(spec, seq=seq, micro_batch=micro_batch, numerics=numerics(config, layout),
                             tp=layout.tp, pp=layout.pp, in_flight=in_flight_microbatches(config, layout),
                             checkpointing=checkpointing, offload=config.offload_activations and moves_to_host(device),

@@ -131,8 +131,8 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     grads = REDUCE_BYTES * rank_params
     if stage <= 1:
         if config.sharded_master_weights:
-            traffic.add("sync" if Decisions(config, layout).pipelining else "backward", "reduce", grads, _DP_AXES, "gradient",
-                        reduce_buckets(spec, layout).count)
+            when = "sync" if Decisions(config, layout).pipelining else "backward"
+            traffic.add(when, "reduce", grads, _DP_AXES, "gradient", reduce_buckets(spec, layout).count)
         else:
             traffic.add("sync", "all_reduce", grads, _DP_AXES, "gradient")
         if stage == 1:
@@ -332,7 +332,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     weight_grad = (blocks.matmul_backward + edge.matmul_backward) / 2
     time = StepTime(compute=(forward + backward) * m, recompute=recompute * m, tensor_parallel=tp_time * m,
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial
-                    + experts.step_seconds(spec, config, layout, cluster, micro_batch, seq),
+                    + experts.step_seconds(spec, config, layout, cluster, micro_batch, seq, compute_bytes(config)),
                     pipeline_bubble=_pipeline_bubble(config, layout, t_mb, busy, forward + recompute, weight_grad),
                     pipeline_p2p=_pipeline_p2p(traffic, cluster, sent, pipeline_rounds(config),
                                                config.stages_per_rank),

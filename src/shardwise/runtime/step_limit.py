@@ -12,10 +12,6 @@ import os
 import sys
 from typing import Optional
 
-import torch.distributed as dist
-
-from .init import shutdown
-
 STOP_AFTER_STEPS_ENV = "SHARDWISE_STOP_AFTER_STEPS"
 
 
@@ -35,6 +31,10 @@ def at_step_boundary(step: int) -> None:
     limit = step_limit()
     if limit is None or step < limit:
         return
+    import torch.distributed as dist  # here: `shardwise tune` reads the variable's name and must not load torch
+
+    from .init import shutdown
+
     if dist.is_initialized():
         dist.barrier()
     shutdown(wait=True)
