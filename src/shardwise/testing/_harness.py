@@ -16,7 +16,9 @@ from . import _worker
 from ._pool import WorkerPool
 
 GRACE = 5.0  # seconds the other ranks get to answer after one has failed
-MAX_IDLE_WORKERS = 8  # beyond this, the least recently used pools are stopped
+# A pool of each world size the suite uses (1, 2, 4 and 8 ranks) stays up: restarting one costs a torch import
+# per rank, more than the tests it serves. Beyond this, the least recently used pools are stopped.
+MAX_IDLE_WORKERS = 15
 TAIL_LINES, TAIL_BYTES = 60, 16_000  # of a rank's output shown in an error
 
 _pools: dict[int, WorkerPool] = {}  # by world size, least recently used first
