@@ -16,6 +16,7 @@ from .families import spec_from_hf
 from .hardware import GB, GiB, ClusterSpec, cluster_preset
 from .search import Evaluation, evaluate
 from .spec import ModelSpec
+from .statistics import spearman
 
 # Cluster values a run may set beside its preset, in the units the data file writes them.
 _CLUSTER_UNITS = {"nodes": 1, "devices_per_node": 1, "device_memory_gib": GiB, "device_memory_bandwidth_gbs": GB,
@@ -93,27 +94,6 @@ def compare(run: Mapping[str, Any]) -> Comparison:
                       bool(run.get("trained", True)), e)
 
 
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
-    def ranks(values: Sequence[float]) -> list[float]:
-        order = sorted(range(len(values)), key=lambda i: values[i])
-        out = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else 0.0
-
-
 @dataclass(frozen=True)
 class Summary:
     comparisons: tuple[Comparison, ...]
@@ -124,7 +104,8 @@ class Summary:
 
     @property
     def mfu_rank_correlation(self) -> float:
-        return spearman([c.measured_mfu for c in self.comparisons], [c.predicted_mfu for c in self.comparisons])
+        rho = spearman([c.measured_mfu for c in self.comparisons], [c.predicted_mfu for c in self.comparisons])
+        return 0.0 if rho is None else rho
 
     def within(self, bound: float) -> int:
         return sum(abs(c.error) <= bound for c in self.comparisons)
