@@ -16,9 +16,9 @@ from . import _worker
 from ._pool import WorkerPool
 
 GRACE = 5.0  # seconds the other ranks get to answer after one has failed
-# A pool of each world size the suite uses (1, 2, 4 and 8 ranks) stays up: restarting one costs a torch import
-# per rank, more than the tests it serves. Beyond this, the least recently used pools are stopped.
-MAX_IDLE_WORKERS = 15
+# Beyond this, the least recently used pools are stopped. Not more: a worker keeps the threads of every gloo group
+# its tests made (hundreds after a long run), and a pool living through the whole suite slows every test it runs.
+MAX_IDLE_WORKERS = 8
 TAIL_LINES, TAIL_BYTES = 60, 16_000  # of a rank's output shown in an error
 
 _pools: dict[int, WorkerPool] = {}  # by world size, least recently used first
