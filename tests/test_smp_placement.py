@@ -82,7 +82,7 @@ def test_the_data_parallel_letter_holds_replicas_then_partition_groups(placement
     for rank in range(layout.world_size):
         c = layout.coords(rank)
         assert layout.rank_of(c) == rank
-        assert mesh[c["pp"]][c["dp_replicate"]][c["dp_shard"]][c["tp"]] == rank
+        assert mesh[c["pp"]][c["dp_replicate"]][c["dp_shard"]][c["cp"]][c["tp"]] == rank
 
 
 @pytest.mark.parametrize("placement, allowed", [
