@@ -18,20 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.func import functional_call
 
+from ..tensor.batch import ScaleGrad
 from .dispatch import Traffic, dispatch_combine
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `factor`."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
 
 
 class ExpertParallel(nn.Module):
@@ -63,7 +51,7 @@ class ExpertParallel(nn.Module):
         # Each expert's gradient sums the losses of every rank of `ep` (the dispatch's backward brings them), and
         # data parallelism then averages it over the expert's replicas only: 1/ep makes that the mean of all ranks.
         scale = 1.0 / self.mesh.size()
-        tensors = {name: _ScaleGradient.apply(_local(parameter), scale)
+        tensors = {name: ScaleGrad.apply(_local(parameter), scale)
                    for name, parameter in self.named_parameters(recurse=False)}
 
         def compute(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:

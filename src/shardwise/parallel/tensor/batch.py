@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ...torch_internals import tree_leaves, tree_map
 
 
-class _ScaleGrad(torch.autograd.Function):
+class ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient by `scale` backward."""
 
     @staticmethod
@@ -84,7 +84,7 @@ def split_outputs(outputs: Any, tp_mesh: DeviceMesh, group_rows: int) -> Any:
             return t
         if not isinstance(t, DTensor):
             t = DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False)
-        return _ScaleGrad.apply(t.redistribute(tp_mesh, [Shard(0)]).to_local(), 1.0 / tp)
+        return ScaleGrad.apply(t.redistribute(tp_mesh, [Shard(0)]).to_local(), 1.0 / tp)
 
     return tree_map(split, outputs)
 
