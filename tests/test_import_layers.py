@@ -24,7 +24,7 @@ LAYERS = [
     {"runtime"},                                           # the live process: init, mesh, ranks, checks
     {"checkpoint", "observe"},                             # training state on disk; metrics
     {"api"},                                               # DistributedModel, DistributedOptimizer, @step
-    {"nn", "amp", "utils", "patches", "deepspeed", "hf"},  # front ends: SMP v1, DeepSpeed, the Trainer
+    {"smp", "deepspeed", "hf"},                           # front ends: SMP v1, DeepSpeed, the Trainer
     {"launcher", "planner", "demo", "testing"},
     {"tune"},                                              # trials of the planner's layouts through launches
     {"cli"},

@@ -12,6 +12,9 @@ plan`) never loads torch.distributed.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -37,7 +40,7 @@ _EXPORTS = {
     "tp_register_with_module": "parallel.tensor.registration",
     "register_experts": "parallel.experts",
     "register_experts_with_module": "parallel.experts",
-    "model_creation": "nn.creation",
+    "model_creation": "smp.nn.creation",
     "partition": "parallel.pipeline.placement",
     "set_partition": "parallel.pipeline.placement",
     "ConfigMismatchError": "runtime.agreement",
@@ -63,13 +66,37 @@ _EXPORTS = {
         "CommGroup", "RankType", "WORLD", "MP_GROUP", "DP_GROUP", "RDP_GROUP", "TP_GROUP", "PP_GROUP", "broadcast",
         "send", "recv_from", "allgather", "barrier", "dp_barrier", "mp_barrier")},
 }
-# SMP v1's submodules, reached as attributes (`smp.nn.FusedLayerNorm`) as well as by import.
-_SUBMODULES = {"nn", "amp", "optimizers", "utils", "patches"}
+# SMP v1's submodules, reached as attributes (`smp.nn.FusedLayerNorm`) as well as by import
+# (`from shardwise.nn import FusedLayerNorm`). All but `optimizers` (whose rules DeepSpeed's Lamb shares) live in
+# the SMP front end, `shardwise/smp/`, and are served under SMP's paths by `_SmpPaths`.
+_SMP_FRONT_END = {"nn", "amp", "utils", "patches"}
+_SUBMODULES = _SMP_FRONT_END | {"optimizers"}
 # SMP's tensor-parallel marks replace a marked Hugging Face model by SMP's stand-in (`nn.huggingface` registers them):
 # naming one of these loads the stand-ins too, so the core never imports the SMP front end.
 _MARKS = {"tensor_parallelism", "set_tensor_parallelism", "tp_register", "tp_register_with_module", "DistributedModel"}
 
 __all__ = sorted(_EXPORTS)
+
+
+class _SmpPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`shardwise.nn.huggingface.gpt2` and the like (an SMP script's `smdistributed.modelparallel.torch.nn...`
+    with only the import changed) as the very module `shardwise.smp.nn.huggingface.gpt2`, loaded on first use."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        parts = fullname.split(".")
+        if len(parts) > 1 and parts[0] == __name__ and parts[1] in _SMP_FRONT_END:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module(f"{__name__}.smp.{spec.name.split('.', 1)[1]}")
+
+    def exec_module(self, module: Any) -> None:
+        """The module ran under its own name already."""
+
+
+if not any(isinstance(finder, _SmpPaths) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _SmpPaths())
 
 
 def __getattr__(name: str) -> Any:
@@ -81,7 +108,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
     module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
     if name in _MARKS:
-        importlib.import_module(".nn.huggingface", __name__)
+        importlib.import_module(".smp.nn.huggingface", __name__)
     value = getattr(module, name)
     globals()[name] = value
     return value

@@ -18,8 +18,8 @@ from typing import Any
 
 from torch import nn
 
-from ..api.recompute import checkpointed_call, current_offload
-from ..parallel.compose import checkpoint_in_groups, group_size
+from ...api.recompute import checkpointed_call, current_offload
+from ...parallel.compose import checkpoint_in_groups, group_size
 
 STRATEGIES = ('"each"', '"contiguous"', '"group_<n>"')
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.tensor.styles import StyleSpec
+from ...parallel.tensor.styles import StyleSpec
 from .attention import DistributedAttentionLayer
 from .module import DistributedModule, ignore_unknown, note_ineffective
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...parallel.tensor.registration import Registration
+from ....parallel.tensor.registration import Registration
 from ..lm_head import DistributedTransformerLMHead
 
 # Switches of Hugging Face's forward that do not change a training step's loss and logits.

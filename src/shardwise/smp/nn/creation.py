@@ -7,8 +7,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..api.delayed_init import delay_param_initialization
-from ..parallel.tensor.marks import tensor_parallelism as tensor_parallelism_context
+from ...api.delayed_init import delay_param_initialization
+from ...parallel.tensor.marks import tensor_parallelism as tensor_parallelism_context
 
 
 @contextlib.contextmanager

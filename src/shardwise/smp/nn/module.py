@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import IneffectiveSettingsWarning
-from ..parallel.tensor.modules import carriers_below, merged, prefixed
-from ..parallel.tensor.plan import TensorParallelPlan
-from ..parallel.tensor.styles import StyleSpec
+from ...config import IneffectiveSettingsWarning
+from ...parallel.tensor.modules import carriers_below, merged, prefixed
+from ...parallel.tensor.plan import TensorParallelPlan
+from ...parallel.tensor.styles import StyleSpec
 
 log = logging.getLogger(__name__)
 _said: set[tuple[str, str]] = set()

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..parallel.tensor.styles import StyleSpec
+from ...parallel.tensor.styles import StyleSpec
 from .module import DistributedModule, note_ineffective
 
 class DistributedLinear(DistributedModule, nn.Linear):

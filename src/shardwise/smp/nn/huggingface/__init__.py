@@ -10,7 +10,7 @@ for them, translating to shardwise is the identity, and translating to Hugging
 Face renames only what is written in SMP's layout, passing Hugging Face names through.
 """
 
-from ...parallel.tensor.registration import register_stand_in
+from ....parallel.tensor.registration import register_stand_in
 from . import bert, gpt2, gptj, gptneo, roberta
 
 register_stand_in("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", gpt2.stand_in)

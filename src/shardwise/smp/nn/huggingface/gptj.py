@@ -19,7 +19,7 @@ import re
 from typing import Any, Optional
 
 
-from ...parallel.tensor.registration import Registration
+from ....parallel.tensor.registration import Registration
 from .causal_lm import causal_lm_stand_in, gpt_arguments
 from .layout import StateDict, renamed
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parallel.tensor.state import TP_AXIS
-from ..parallel.tensor.styles import StyleSpec
+from ...parallel.tensor.state import TP_AXIS
+from ...parallel.tensor.styles import StyleSpec
 from .functional import attention, rotary_embedding
 from .module import DistributedModule, ignore_unknown
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.tensor.styles import StyleSpec
+from ...parallel.tensor.styles import StyleSpec
 from .module import DistributedModule
 from .transformer import DistributedTransformer, check_layernorms
 

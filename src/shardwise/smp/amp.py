@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel.precision import LossScaler, ScalingRule
-from .runtime.init import warn_ineffective
-from .runtime.state import current
+from ..parallel.precision import LossScaler, ScalingRule
+from ..runtime.init import warn_ineffective
+from ..runtime.state import current
 
 __all__ = ["GradScaler"]
 

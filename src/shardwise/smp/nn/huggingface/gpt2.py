@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...parallel.tensor.registration import Registration
+from ....parallel.tensor.registration import Registration
 from .causal_lm import causal_lm_stand_in, gpt_arguments
 from .layout import StateDict
 
