@@ -198,3 +198,15 @@ def test_every_documented_entry_is_covered():
             why = [problem or "resolves, but the row says missing", row.how if marked_missing else ""]
             uncovered.append(f"{kind} {entry}: " + "; ".join(text for text in why if text))
     assert not uncovered, f"{len(uncovered)} documented SMP v1 entries are not covered:\n" + "\n".join(uncovered)
+
+
+def test_smp_import_paths_are_the_front_ends_modules():
+    """`from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import ...` with only the package changed gets
+    the SMP front end's own module (one object under both names, so registrations and isinstance agree)."""
+    import importlib
+
+    for path in ("nn", "nn.huggingface.gpt2", "nn.huggingface.gptj", "amp", "utils", "patches.checkpoint"):
+        assert importlib.import_module(f"shardwise.{path}") is importlib.import_module(f"shardwise.smp.{path}")
+    assert shardwise.nn.FusedLayerNorm is importlib.import_module("shardwise.smp.nn").FusedLayerNorm
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("shardwise.nn.no_such_module")
