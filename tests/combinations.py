@@ -63,6 +63,8 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
     "cp": (4, 4, {"context_parallel_degree": 2}),
     "cp-all-to-all-zero3": (4, 4, {"context_parallel_degree": 2, "context_parallel_mode": "all_to_all",
                                    "sharded_data_parallel_degree": 2}),
+    # the sequence split over cp, then each cp share's activations over tp between the split layers
+    "cp-tp-sp": (4, 4, {"context_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True}),
     # expert parallelism: each MoE layer's experts over 2 ranks of ZeRO-3's sharding group, beside tensor
     # parallelism on the attention, and in each of two pipeline stages; it splits mixture-of-experts families only,
     # so it runs in VARIANT_ROWS
@@ -97,6 +99,7 @@ VARIANT_ROWS = [
     ("cp", "llama", "bf16", False, "none", "before", False, "optimizer"),
     ("cp-all-to-all-zero3", "llama", "fp32", True, "matmul", "after", True, "none"),
     ("cp-all-to-all-zero3", "gpt2", "fp16", False, "each", "before", False, "activations"),
+    ("cp-tp-sp", "llama", "bf16", True, "each", "after", True, "none"),
     ("zero3-ep", "mixtral", "fp32", True, "each", "after", True, "none"),
     ("zero3-ep", "mixtral", "bf16", False, "none", "before", False, "optimizer"),
     ("tp-ep", "mixtral", "fp32", False, "matmul", "after", True, "activations"),

@@ -53,11 +53,13 @@ def test_an_unknown_mode_is_refused():
 
 
 def test_what_cp_does_not_run_with_yet_is_named():
-    _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, tensor_parallel_degree=2)
+    _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, pipeline_parallel_degree=2)
     assert [str(p) for p in problems] == [
-        "tensor_parallel_degree=2: does not run with context_parallel_degree 2 in this release (context parallelism "
-        "composes with DDP, ZeRO-1/2/3 over the whole data-parallel group, checkpointing and precision); fix: leave "
-        "tensor_parallel_degree at its default, or set context_parallel_degree to 1"]
+        "pipeline_parallel_degree=2: does not run with context_parallel_degree 2 in this release (context "
+        "parallelism composes with DDP, ZeRO-1/2/3 over the whole data-parallel group, tensor and sequence "
+        "parallelism, checkpointing and precision); fix: leave pipeline_parallel_degree at its default, or set "
+        "context_parallel_degree to 1"]
+    assert _layout(Cluster(1, 8), context_parallel_degree=2, tensor_parallel_degree=2)[2] == []
     _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, sharded_data_parallel_degree=2)
     assert [p.path for p in problems] == ["sharded_data_parallel_degree"]  # MiCS: partition groups of 2 of dp 4
     assert validate({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}, Cluster(1, 4))[1].cp == 2
@@ -68,6 +70,10 @@ def test_all_to_all_with_heads_the_degree_does_not_divide_is_refused():
         "context_parallel_mode all_to_all splits attention heads over context_parallel_degree 3, and "
         "LlamaForCausalLM has 4: choose a degree dividing 4, or mode ring")
     assert unsplittable_reason(tiny("llama"), "ring", 3) is None
+    assert unsplittable_reason(tiny("llama"), "all_to_all", 4, tensor_parallel=2) == (
+        "context_parallel_mode all_to_all splits attention heads over context_parallel_degree 4, and "
+        "LlamaForCausalLM has 2 per tensor-parallel rank (4 over tensor_parallel_degree 2): choose a degree "
+        "dividing 2, or mode ring")
     assert unsplittable_reason(tiny("gpt2"), "all_to_all", 4) is None
 
 

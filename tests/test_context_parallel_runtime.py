@@ -3,9 +3,9 @@
 `model(input_ids=..., labels=...)`, or into `model(input_ids)` with the loop's own loss over the logits.
 
 On 4 gloo ranks, CP 2 beside two data-parallel replicas under DDP, ZeRO-1, ZeRO-2 (all-to-all) and ZeRO-3, and
-CP 4 alone and under ZeRO-3 with every block recomputed, Hugging Face Llama and GPT-2 train 3 SGD steps (packed
-documents in one case): losses and every parameter match one process that averages each replica's loss as data
-parallelism does.
+CP 4 alone and under ZeRO-3 with every block recomputed, and CP 2 × TP 2 (ring; all-to-all with sequence
+parallelism under ZeRO-3), Hugging Face Llama and GPT-2 train 3 SGD steps (packed documents in some cases):
+losses and every parameter match one process that averages each replica's loss as data parallelism does.
 """
 
 from __future__ import annotations
@@ -22,24 +22,24 @@ STEPS = 3
 TOLERANCE = 2e-5
 
 
-def _batch(step: int, replicas: int, packed: bool) -> dict:
+def _batch(step: int, rows: int, packed: bool) -> dict:
     generator = torch.Generator().manual_seed(step)
-    ids = torch.randint(1, VOCAB, (replicas, SEQ), generator=generator)
+    ids = torch.randint(1, VOCAB, (rows, SEQ), generator=generator)
     labels = ids.clone()
     labels[-1, -3:] = -100  # the last replica's row ends in padding
-    return {"input_ids": ids, "labels": labels, "position_ids": POSITIONS[packed][:1].expand(replicas, -1)}
+    return {"input_ids": ids, "labels": labels, "position_ids": POSITIONS[packed][:1].expand(rows, -1)}
 
 
-def _reference(kind: str, replicas: list[int], packed: bool) -> tuple[torch.nn.Module, list[float]]:
-    """One process over the same global batches, step s of `replicas[s]` rows, averaging the rows' losses as data
-    parallelism averages the replicas'."""
+def _reference(kind: str, replicas: list[int], packed: bool, tp: int = 1) -> tuple[torch.nn.Module, list[float]]:
+    """One process over the same global batches, step s of `replicas[s]` replicas of `tp` rows each (a tensor-
+    parallel group's rows are one batch), averaging the replicas' losses as data parallelism does."""
     torch.manual_seed(0)
     reference = tiny(kind)
     optimizer, losses = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), []
-    for step, rows in enumerate(replicas):
-        batch = _batch(step, rows, packed)
-        loss = sum(reference(**{k: v[r:r + 1] for k, v in batch.items()}, use_cache=False).loss
-                   for r in range(rows)) / rows
+    for step, count in enumerate(replicas):
+        batch = _batch(step, count * tp, packed)
+        loss = sum(reference(**{k: v[r * tp:(r + 1) * tp] for k, v in batch.items()}, use_cache=False).loss
+                   for r in range(count)) / count
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -70,12 +70,12 @@ def train_kind(kind: str, packed: bool, checkpoint: bool, steps: range = range(S
         model.backward(loss)
         return loss
 
-    replicas = sw.rdp_size()
-    reference, want = _reference(kind, [*earlier, *[replicas] * len(steps)], packed)
+    replicas, tp = sw.rdp_size(), sw.tp_size()  # each tensor-parallel rank brings its own row (SMP's dp rank)
+    reference, want = _reference(kind, [*earlier, *[replicas] * len(steps)], packed, tp)
     errors = []
     for step in steps:
-        batch = _batch(step, replicas, packed)
-        mine = {k: v[sw.rdp_rank():sw.rdp_rank() + 1] for k, v in batch.items()}
+        batch = _batch(step, replicas * tp, packed)
+        mine = {k: v[sw.dp_rank():sw.dp_rank() + 1] for k, v in batch.items()}
         loss = torch.as_tensor(train_step(model, **mine).reduce_mean()).detach().clone()
         opt.step()
         opt.zero_grad()
@@ -102,6 +102,10 @@ CASES = {
     "cp4": ({"context_parallel_degree": 4}, False, False),
     "cp2-zero3-own-loss": ({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}, True, False),
     "cp4-zero3-checkpointing": ({"context_parallel_degree": 4, "zero_stage": 3}, True, True),
+    "cp2-tp2": ({"context_parallel_degree": 2, "tensor_parallel_degree": 2}, True, False),
+    "cp2-tp2-sp-zero3-all_to_all": ({"context_parallel_degree": 2, "tensor_parallel_degree": 2,
+                                      "context_parallel_mode": "all_to_all", "sequence_parallel": True,
+                                      "zero_stage": 3}, False, False),
 }
 
 

@@ -31,7 +31,6 @@ def context_problems(config: ShardwiseConfig, ranks: int) -> list[Problem]:
 # What the runtime's context parallelism does not run with yet: (key, is it set, why), each refused by name.
 def _not_yet(config: ShardwiseConfig, dp_replicate: int) -> list[tuple[str, object, bool]]:
     return [
-        ("tensor_parallel_degree", config.tensor_parallel_degree, config.tensor_parallel_degree > 1),
         ("pipeline_parallel_degree", config.pipeline_parallel_degree, config.pipeline_parallel_degree > 1),
         ("sharded_data_parallel_degree", config.sharded_data_parallel_degree,
          config.effective_zero_stage >= 2 and dp_replicate > 1),
@@ -48,6 +47,6 @@ def combination_problems(config: ShardwiseConfig, dp_replicate: int) -> list[Pro
     if cp == 1:
         return []
     return [Problem(key, value, f"does not run with context_parallel_degree {cp} in this release (context "
-                    "parallelism composes with DDP, ZeRO-1/2/3 over the whole data-parallel group, checkpointing and "
-                    "precision)", f"leave {key} at its default, or set context_parallel_degree to 1")
+                    "parallelism composes with DDP, ZeRO-1/2/3 over the whole data-parallel group, tensor and sequence "
+                    "parallelism, checkpointing and precision)", f"leave {key} at its default, or set context_parallel_degree to 1")
             for key, value, used in _not_yet(config, dp_replicate) if used]

@@ -198,7 +198,7 @@ def split_context(module: nn.Module, mesh: ParallelMesh, decisions: Decisions) -
     runs and its loss taken over the sequence (parallel/context/)."""
     if decisions.context_parallel:
         group = mesh["cp"].get_group()
-        apply_context_parallel(module, group, decisions.context_parallel_mode)
+        apply_context_parallel(module, group, decisions.context_parallel_mode, mesh.layout.tp)
         split_sequences(module, group)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise.parallel.context.loss import sequence_loss
 from shardwise.parallel.context.sharding import shard_batch, unshard
@@ -59,7 +60,11 @@ class SequenceSplit:
 
 
 def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The whole sequence (dim 1) in order from every rank's load-balanced share; gradients flow back summed."""
+    """The whole sequence (dim 1) in order from every rank's load-balanced share; gradients flow back summed.
+    Logits sharded over the vocabulary by tensor parallelism stay so: each vocabulary shard is gathered alone."""
+    if isinstance(local, DTensor):
+        whole = gather_sequence(local.to_local(), group)
+        return DTensor.from_local(whole, local.device_mesh, local.placements, run_check=False)
     size, rows = dist.get_world_size(group), local.shape[0]
     # An all-to-all of `size` copies is an all-gather whose backward (the reverse all-to-all, the copies' gradients
     # summed) runs on every backend, gloo included
@@ -71,6 +76,8 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 def split_sequences(model: nn.Module, group: dist.ProcessGroup) -> SequenceSplit:
     """Make `model`'s calls take whole rows and return the sequence loss over `group` (its cp ranks)."""
     split = SequenceSplit(group)
+    # Inside tensor parallelism's batch hooks (compose installs them first): rows are gathered over tp before the
+    # sequences are split, and the loss is taken before tp hands each rank its rows back
     model.register_forward_pre_hook(split.before, with_kwargs=True)
-    model.register_forward_hook(split.after, with_kwargs=True)
+    model.register_forward_hook(split.after, with_kwargs=True, prepend=True)
     return split

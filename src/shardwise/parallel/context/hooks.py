@@ -89,8 +89,9 @@ def _heads(model: nn.Module) -> int | None:
     return getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
 
 
-def unsplittable_reason(model: nn.Module, mode: Mode = "ring", degree: int = 1) -> str | None:
-    """Why context parallelism of `degree` in `mode` cannot split `model`'s attention, or None if it can."""
+def unsplittable_reason(model: nn.Module, mode: Mode = "ring", degree: int = 1, tensor_parallel: int = 1) -> str | None:
+    """Why context parallelism of `degree` in `mode` cannot split `model`'s attention, or None if it can; under
+    tensor parallelism of `tensor_parallel` each rank holds that share of the heads."""
     family = _hugging_face_family(model)
     if family not in HF_FAMILIES and not any(type(m) in _USER_CLASSES for m in model.modules()):
         kind = f"Hugging Face model type {family!r}" if family else f"model {type(model).__name__}"
@@ -98,15 +99,20 @@ def unsplittable_reason(model: nn.Module, mode: Mode = "ring", degree: int = 1) 
                 f"{', '.join(HF_FAMILIES)} attention, and a module class marked @context_parallel_attention whose "
                 "forward calls shardwise.parallel.context.attention")
     heads = _heads(model)
-    if mode == "all_to_all" and heads and heads % degree:
+    if mode == "all_to_all" and heads and (heads // tensor_parallel) % degree:
+        held = f"{heads}" if tensor_parallel == 1 else \
+            f"{heads // tensor_parallel} per tensor-parallel rank ({heads} over tensor_parallel_degree {tensor_parallel})"
         return (f"context_parallel_mode all_to_all splits attention heads over context_parallel_degree {degree}, "
-                f"and {type(model).__name__} has {heads}: choose a degree dividing {heads}, or mode ring")
+                f"and {type(model).__name__} has {held}: choose a degree dividing {heads // tensor_parallel}, or "
+                "mode ring")
     return None
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, mode: Mode) -> nn.Module:
-    """Split every attention of `model` over `group`; feed it `shard_batch`'s inputs and train on `sequence_loss`."""
-    reason = unsplittable_reason(model, mode, dist.get_world_size(group))
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, mode: Mode,
+                           tensor_parallel: int = 1) -> nn.Module:
+    """Split every attention of `model` (its heads already split over `tensor_parallel` ranks) over `group`; feed
+    it `shard_batch`'s inputs and train on `sequence_loss`."""
+    reason = unsplittable_reason(model, mode, dist.get_world_size(group), tensor_parallel)
     if reason:
         raise ValueError(reason)
     settings = ContextSettings(group, mode)

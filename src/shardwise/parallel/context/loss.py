@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 IGNORE = -100
 
@@ -27,9 +28,12 @@ def sequence_loss(logits: torch.Tensor, labels: torch.Tensor, group: dist.Proces
     """Mean cross entropy over every labelled token (not -100) that `group`'s ranks hold, given this rank's logits
     (batch, local seq, vocab) and shifted labels (batch, local seq).
 
-    The value is the whole group's mean on every rank; its gradient, averaged over the group as data parallelism
+    Logits sharded over the vocabulary (tensor parallelism's, under `loss_parallel`) give the same sum. The value
+    is the whole group's mean on every rank; its gradient, averaged over the group as data parallelism
     averages gradients, is the gradient of that mean."""
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    if isinstance(total, DTensor):  # logits sharded over the vocabulary (tensor parallelism's loss_parallel)
+        total = total.full_tensor()
     sums = torch.stack([total.detach(), (labels != IGNORE).sum().to(total.dtype)])
     dist.all_reduce(sums, group=group)
     # A group with no labelled token at all has loss 0, as one process's 0/0 would not be.
