@@ -65,6 +65,8 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
                                    "sharded_data_parallel_degree": 2}),
     # the sequence split over cp, then each cp share's activations over tp between the split layers
     "cp-tp-sp": (4, 4, {"context_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True}),
+    # two pipeline stages, each splitting its microbatches' sequences over cp; the last takes the loss
+    "cp-pp": (4, 4, {"context_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2}),
     # expert parallelism: each MoE layer's experts over 2 ranks of ZeRO-3's sharding group, beside tensor
     # parallelism on the attention, and in each of two pipeline stages; it splits mixture-of-experts families only,
     # so it runs in VARIANT_ROWS
@@ -100,6 +102,7 @@ VARIANT_ROWS = [
     ("cp-all-to-all-zero3", "llama", "fp32", True, "matmul", "after", True, "none"),
     ("cp-all-to-all-zero3", "gpt2", "fp16", False, "each", "before", False, "activations"),
     ("cp-tp-sp", "llama", "bf16", True, "each", "after", True, "none"),
+    ("cp-pp", "gpt2", "fp32", False, "each", "before", True, "optimizer"),
     ("zero3-ep", "mixtral", "fp32", True, "each", "after", True, "none"),
     ("zero3-ep", "mixtral", "bf16", False, "none", "before", False, "optimizer"),
     ("tp-ep", "mixtral", "fp32", False, "matmul", "after", True, "activations"),

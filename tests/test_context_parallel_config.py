@@ -53,13 +53,15 @@ def test_an_unknown_mode_is_refused():
 
 
 def test_what_cp_does_not_run_with_yet_is_named():
-    _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, pipeline_parallel_degree=2)
+    _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, pipeline_parallel_degree=2,
+                             pipeline_cut="graph")
     assert [str(p) for p in problems] == [
-        "pipeline_parallel_degree=2: does not run with context_parallel_degree 2 in this release (context "
-        "parallelism composes with DDP, ZeRO-1/2/3 over the whole data-parallel group, tensor and sequence "
-        "parallelism, checkpointing and precision); fix: leave pipeline_parallel_degree at its default, or set "
-        "context_parallel_degree to 1"]
+        "pipeline_cut='graph': does not run with context_parallel_degree 2 in this release (context parallelism "
+        "composes with DDP, ZeRO-1/2/3 over the whole data-parallel group, tensor and sequence parallelism, "
+        "pipelines cut at their blocks, checkpointing and precision); fix: leave pipeline_cut at its default, or "
+        "set context_parallel_degree to 1"]
     assert _layout(Cluster(1, 8), context_parallel_degree=2, tensor_parallel_degree=2)[2] == []
+    assert _layout(Cluster(1, 8), context_parallel_degree=2, pipeline_parallel_degree=2)[2] == []
     _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, sharded_data_parallel_degree=2)
     assert [p.path for p in problems] == ["sharded_data_parallel_degree"]  # MiCS: partition groups of 2 of dp 4
     assert validate({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}, Cluster(1, 4))[1].cp == 2

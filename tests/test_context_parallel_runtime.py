@@ -3,8 +3,8 @@
 `model(input_ids=..., labels=...)`, or into `model(input_ids)` with the loop's own loss over the logits.
 
 On 4 gloo ranks, CP 2 beside two data-parallel replicas under DDP, ZeRO-1, ZeRO-2 (all-to-all) and ZeRO-3, and
-CP 4 alone and under ZeRO-3 with every block recomputed, and CP 2 × TP 2 (ring; all-to-all with sequence
-parallelism under ZeRO-3), Hugging Face Llama and GPT-2 train 3 SGD steps (packed documents in some cases):
+CP 4 alone and under ZeRO-3 with every block recomputed, CP 2 × TP 2 (ring; all-to-all with sequence
+parallelism under ZeRO-3) and CP 2 × PP 2 (ring with the model's loss; all-to-all with the loop's own), Hugging Face Llama and GPT-2 train 3 SGD steps (packed documents in some cases):
 losses and every parameter match one process that averages each replica's loss as data parallelism does.
 """
 
@@ -106,6 +106,9 @@ CASES = {
     "cp2-tp2-sp-zero3-all_to_all": ({"context_parallel_degree": 2, "tensor_parallel_degree": 2,
                                       "context_parallel_mode": "all_to_all", "sequence_parallel": True,
                                       "zero_stage": 3}, False, False),
+    "cp2-pp2": ({"context_parallel_degree": 2, "pipeline_parallel_degree": 2}, True, False),
+    "cp2-pp2-own-loss-all_to_all": ({"context_parallel_degree": 2, "pipeline_parallel_degree": 2,
+                                     "context_parallel_mode": "all_to_all"}, False, False),
 }
 
 

@@ -31,7 +31,7 @@ def context_problems(config: ShardwiseConfig, ranks: int) -> list[Problem]:
 # What the runtime's context parallelism does not run with yet: (key, is it set, why), each refused by name.
 def _not_yet(config: ShardwiseConfig, dp_replicate: int) -> list[tuple[str, object, bool]]:
     return [
-        ("pipeline_parallel_degree", config.pipeline_parallel_degree, config.pipeline_parallel_degree > 1),
+        ("pipeline_cut", config.pipeline_cut, config.pipeline_parallel_degree > 1 and config.pipeline_cut == "graph"),
         ("sharded_data_parallel_degree", config.sharded_data_parallel_degree,
          config.effective_zero_stage >= 2 and dp_replicate > 1),
         ("expert_parallel_degree", config.expert_parallel_degree, config.expert_parallel_degree > 1),
@@ -48,5 +48,5 @@ def combination_problems(config: ShardwiseConfig, dp_replicate: int) -> list[Pro
         return []
     return [Problem(key, value, f"does not run with context_parallel_degree {cp} in this release (context "
                     "parallelism composes with DDP, ZeRO-1/2/3 over the whole data-parallel group, tensor and sequence "
-                    "parallelism, checkpointing and precision)", f"leave {key} at its default, or set context_parallel_degree to 1")
+                    "parallelism, pipelines cut at their blocks, checkpointing and precision)", f"leave {key} at its default, or set context_parallel_degree to 1")
             for key, value, used in _not_yet(config, dp_replicate) if used]

@@ -62,6 +62,10 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
     zero1 = functools.partial(_zero1, mesh, decisions, config.microbatches) if (
         decisions.pipelining and decisions.shards_optimizer_state) else None
     if decisions.graph_cut(has_block_list(module)):  # cut from the module graph at the first @step
+        if decisions.context_parallel:  # its stages are graphs: no attention module left to split
+            raise ValueError(f"context parallelism: {type(module).__name__} has no block list, and a pipeline cut "
+                             "from its module graph keeps no attention modules; fix: give it a list of blocks (an "
+                             "nn.ModuleList), or set context_parallel_degree to 1")
         if decisions.expert_parallel:  # its stages are graphs: no experts module left to split
             raise ValueError(f"expert parallelism: {type(module).__name__} has no block list, and a pipeline cut "
                              "from its module graph keeps no experts modules; fix: give it a list of blocks (an "
@@ -74,7 +78,6 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
         return wrap(module, before_shard=unit_materialiser(module, mesh))
     place(module, mesh)
     split(module, [module], tp_plan)
-    split_context(module, mesh, decisions)
     return wrap(module)
 
 
@@ -134,14 +137,17 @@ def pipeline_settings(decisions: Decisions) -> PipelineSettings:
 
 
 def split_part(module: nn.Module, callees: list[nn.Module], tp_plan: PlanLike, *, mesh: ParallelMesh,
-               decisions: Decisions) -> None:
-    """Tensor parallelism over `module` (placed, equal on every rank); each of `callees`, the modules the
-    step calls, gathers or splits the batch inside the tensor-parallel group."""
+               decisions: Decisions, ends: Optional[list[nn.Module]] = None) -> None:
+    """Tensor, expert and context parallelism over `module` (placed, equal on every rank); each of `callees`, the
+    modules the step calls, gathers or splits the batch inside the tensor-parallel group and splits its sequences
+    over the cp group; `ends`, those of them whose outputs are the model's (a pipeline's last stage; all of them by
+    default), take the loss over the sequence."""
     if decisions.tensor_parallel:
         apply_tensor_parallel(module, mesh["tp"], tp_plan, sequence_parallel=decisions.sequence_parallel)
         for callee in callees:
             TensorParallelBatch(mesh["tp"], decisions.config.prescaled_batch).install(callee)
     split_experts(module, mesh, decisions)
+    split_context(module, callees, callees if ends is None else ends, mesh, decisions)
 
 
 def wrap_part(part: nn.Module, *, mesh: ParallelMesh, decisions: Decisions, reshard_after_forward: bool = True,
@@ -193,13 +199,15 @@ def _expert_shares(part: nn.Module, mesh: ParallelMesh, decisions: Decisions) ->
     return [(share, ranks) for share in expert_parallel_modules(part)]
 
 
-def split_context(module: nn.Module, mesh: ParallelMesh, decisions: Decisions) -> None:
-    """Context parallelism: attention over the whole sequence of the cp ranks, whole rows split before the model
-    runs and its loss taken over the sequence (parallel/context/)."""
+def split_context(module: nn.Module, callees: list[nn.Module], ends: list[nn.Module], mesh: ParallelMesh,
+                  decisions: Decisions) -> None:
+    """Context parallelism: attention over the whole sequence of the cp ranks, whole rows split before each of
+    `callees` runs and the loss of `ends` taken over the sequence (parallel/context/)."""
     if decisions.context_parallel:
         group = mesh["cp"].get_group()
         apply_context_parallel(module, group, decisions.context_parallel_mode, mesh.layout.tp)
-        split_sequences(module, group)
+        for callee in callees:
+            split_sequences(callee, group, ends_model=any(callee is end for end in ends))
 
 
 def _host_offload(mesh: ParallelMesh, decisions: Decisions) -> Optional[HostOffload]:

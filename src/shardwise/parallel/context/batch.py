@@ -27,10 +27,11 @@ _SPLIT = ("input_ids", "position_ids", "cu_seqlens")
 
 
 class SequenceSplit:
-    """Forward hooks on a model's root that split its rows and compute its loss (see the module docstring)."""
+    """Forward hooks on a model's root, or a pipeline stage's view of it, that split its rows and (where its outputs
+    are the model's) compute its loss (see the module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, ends_model: bool = True):
+        self.group, self.ends_model = group, ends_model
         self.labels = None
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -51,6 +52,8 @@ class SequenceSplit:
         return (), {**kwargs, **inputs}
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        if not self.ends_model:  # a pipeline stage before the last: what it sends on is its last block's output
+            return output
         if self.labels is not None:
             output["loss"] = sequence_loss(output["logits"], self.labels, self.group)
             self.labels = None
@@ -73,9 +76,10 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     return unshard(gathered.transpose(0, 1).flatten(1, 2), 1, size)
 
 
-def split_sequences(model: nn.Module, group: dist.ProcessGroup) -> SequenceSplit:
-    """Make `model`'s calls take whole rows and return the sequence loss over `group` (its cp ranks)."""
-    split = SequenceSplit(group)
+def split_sequences(model: nn.Module, group: dist.ProcessGroup, ends_model: bool = True) -> SequenceSplit:
+    """Make `model`'s calls take whole rows and return the sequence loss over `group` (its cp ranks); a pipeline
+    stage whose outputs are not the model's (`ends_model` false) only splits the rows."""
+    split = SequenceSplit(group, ends_model)
     # Inside tensor parallelism's batch hooks (compose installs them first): rows are gathered over tp before the
     # sequences are split, and the loss is taken before tp hands each rank its rows back
     model.register_forward_pre_hook(split.before, with_kwargs=True)

@@ -45,7 +45,7 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSetti
                    split_part: Callable, wrap_part: Callable,
                    zero1: Optional[Callable[..., OptimizerBinding]] = None) -> PipelineParallel:
     """Reduce `model` in place to this rank's pipeline stages and return what runs them. `split_part(model,
-    callees, plan)` and `wrap_part(part, reshard_after_forward=...)` are the composition's own steps (compose.py),
+    callees, plan, ends=...)` and `wrap_part(part, reshard_after_forward=...)` are the composition's own steps (compose.py),
     applied here to the stages; `zero1(deferred=...)`: ZeRO-1's binding given the tied copies the pipeline sums
     itself (None without ZeRO-1)."""
     pp_mesh = mesh["pp"]
@@ -65,7 +65,8 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSetti
     stages = [StageModule(stage_view(model, part, s), part, s) for s in local]
     tp = settings.tensor_parallel_degree
     plan = stage_plan(model, tp_plan, tp) if tp > 1 else None
-    split_part(model, [stage.module for stage in stages], plan)
+    split_part(model, [stage.module for stage in stages], plan,
+               ends=[stage.module for stage in stages if stage.is_last])
     wrapped = []
     for stage in stages:
         # A schedule that splits backward in two needs a stage's gathered parameters between the halves.
