@@ -57,13 +57,15 @@ def test_what_cp_does_not_run_with_yet_is_named():
                              pipeline_cut="graph")
     assert [str(p) for p in problems] == [
         "pipeline_cut='graph': does not run with context_parallel_degree 2 in this release (context parallelism "
-        "composes with DDP, ZeRO-1/2/3 over the whole data-parallel group, tensor and sequence parallelism, "
-        "pipelines cut at their blocks, checkpointing and precision); fix: leave pipeline_cut at its default, or "
-        "set context_parallel_degree to 1"]
+        "composes with DDP, ZeRO-1/2/3, MiCS outside pipelines, tensor and sequence parallelism, pipelines cut at "
+        "their blocks, checkpointing and precision); fix: leave pipeline_cut at its default, or set "
+        "context_parallel_degree to 1"]
     assert _layout(Cluster(1, 8), context_parallel_degree=2, tensor_parallel_degree=2)[2] == []
     assert _layout(Cluster(1, 8), context_parallel_degree=2, pipeline_parallel_degree=2)[2] == []
-    _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, sharded_data_parallel_degree=2)
-    assert [p.path for p in problems] == ["sharded_data_parallel_degree"]  # MiCS: partition groups of 2 of dp 4
+    assert _layout(Cluster(1, 8), context_parallel_degree=2, sharded_data_parallel_degree=2)[2] == []  # MiCS
+    _, _, problems = _layout(Cluster(1, 16), context_parallel_degree=2, sharded_data_parallel_degree=2,
+                             pipeline_parallel_degree=2)
+    assert [p.path for p in problems] == ["sharded_data_parallel_degree"]  # MiCS by FSDP2's hybrid sharding
     assert validate({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}, Cluster(1, 4))[1].cp == 2
 
 

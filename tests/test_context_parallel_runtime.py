@@ -120,6 +120,14 @@ def test_same_math_as_one_process(name):
     assert max(errors.values()) < TOLERANCE, errors
 
 
+def test_mics_partition_groups_span_the_cp_ranks():
+    """CP 2 on 8 ranks under MiCS (partition groups of 2 data-parallel × 2 cp ranks, two groups) with the cross-group
+    reduction deferred to the next forward: Llama trains as one process."""
+    config = {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2, "cross_group_overlap": "forward"}
+    errors = run_distributed(train_all, 8, config, ("llama",), False, False, timeout=600)[0]
+    assert max(errors.values()) < TOLERANCE, errors
+
+
 def test_a_cp_checkpoint_resumes_at_another_cp_degree(tmp_path):
     """CP 2 under ZeRO-3 (two replicas) saves after 2 steps; CP 4 under DDP (one replica) resumes and trains the
     third: weights and momentum carry over, and every loss and parameter stays one process's."""
