@@ -3,6 +3,7 @@ replaced by the results a launch would give (measured or failed), so each rule i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from shardwise.planner import cluster_preset, resolve_model
 from shardwise.tune import TrialResult, TuneSettings, candidates, tune
 from shardwise.tune import tuner
+from shardwise.tune.bound import cannot_win
 from shardwise.tune.measure import Measurement
 
 
@@ -45,7 +47,7 @@ OUTCOMES = [(0.3, 10.0, 500), "crash", (0.2, 12.0, 700), (0.25, 14.0, 400)]
 @pytest.mark.parametrize("metric, best", [("latency", 3), ("throughput", 4), ("memory", 4)])
 def test_the_best_by_each_metric(monkeypatch, tmp_path, chosen, metric, best):
     _trials(monkeypatch, OUTCOMES)
-    result = tune(chosen, TuneSettings(script="x.py", metric=metric, results=tmp_path))
+    result = tune(chosen, TuneSettings(script="x.py", metric=metric, bound_margin=None, results=tmp_path))
     assert result.best["trial"] == best and len(result.rows) == 4
     assert (tmp_path / "trials.jsonl").read_text().count("\n") == 4
 
@@ -78,7 +80,7 @@ def test_the_report_shows_each_trial_and_its_plot_loads(monkeypatch, tmp_path, c
     from shardwise.tune.report import write_tune_report
 
     _trials(monkeypatch, OUTCOMES)
-    settings = TuneSettings(script="x.py", metric="latency", results=tmp_path / "results")
+    settings = TuneSettings(script="x.py", metric="latency", bound_margin=None, results=tmp_path / "results")
     page = write_tune_report(tune(chosen, settings), settings)
     html = page.read_text()
     assert html.count("<tr><td class=\"n\">") == 4 and "crash" in html and "trial 3" in html
@@ -86,3 +88,43 @@ def test_the_report_shows_each_trial_and_its_plot_loads(monkeypatch, tmp_path, c
     if _BROWSER is None:
         pytest.skip("no Chromium to open the report in (Debian: apt-get install -y chromium)")
     assert images_in_browser(page, tmp_path) == {"predicted and measured": "yes"}
+
+
+def _predicting(chosen, step_times):
+    """The candidates with the planner's step time set to `step_times` (their compute part moved to fit)."""
+    out = []
+    for c, t in zip(chosen, step_times):
+        time = replace(c.evaluation.time, compute=c.evaluation.time.compute + t - c.evaluation.step_time)
+        out.append(replace(c, evaluation=replace(c.evaluation, time=time)))
+    return out
+
+
+def test_the_planners_bound_stops_when_no_remaining_candidate_can_win(monkeypatch, tmp_path, chosen):
+    # Measured 2.0 and 2.27 × the prediction: the best case of a candidate predicted 0.30 s is 0.30 × 2.0 × 0.9.
+    calls = _trials(monkeypatch, [(0.2, 12.0, 500), (0.25, 10.0, 500), (0.1, 20.0, 500), (0.1, 20.0, 500)])
+    result = tune(_predicting(chosen, [0.10, 0.11, 0.30, 0.40]), TuneSettings(script="x.py", metric="latency",
+                                                                              results=tmp_path))
+    assert calls == ["trial1", "trial2"] and result.best["trial"] == 1
+    assert result.stopped.startswith("the 2 remaining candidates cannot beat trial 1 by the planner's bound")
+    assert "measured/predicted 2 and a 10% margin is 0.54 s/step, the measured best 0.2 s/step" in result.stopped
+
+
+def test_the_bound_lets_a_candidate_run_while_its_best_case_can_win(monkeypatch, tmp_path, chosen):
+    # After two trials 0.105 × 2.0 × 0.9 = 0.189 s could beat 0.2 s, so trial 3 runs; then 0.40 s cannot.
+    calls = _trials(monkeypatch, [(0.2, 12.0, 500), (0.25, 10.0, 500), (0.21, 11.0, 500), (0.1, 20.0, 500)])
+    predicted = _predicting(chosen, [0.10, 0.11, 0.105, 0.40])
+    result = tune(predicted, TuneSettings(script="x.py", metric="latency", results=tmp_path))
+    assert calls == ["trial1", "trial2", "trial3"] and "1 remaining candidates cannot beat" in result.stopped
+    calls = _trials(monkeypatch, [(0.2, 12.0, 500), (0.25, 10.0, 500), (0.21, 11.0, 500), (0.1, 20.0, 500)])
+    result = tune(predicted, TuneSettings(script="x.py", metric="latency", bound_margin=None, results=tmp_path / "b"))
+    assert len(calls) == 4 and result.best["trial"] == 4 and result.stopped == "every candidate was tried"
+
+
+def test_the_bound_on_throughput_and_what_it_needs(chosen):
+    rows = [{"trial": 1, "samples_per_s": 10.0}, {"trial": 2, "samples_per_s": 8.0}, {"trial": 3, "failure": "crash"}]
+    slow = _predicting(chosen, [1.0, 1.0, 4.0, 4.0])  # 4 sequences planned per step: 4 and 1 samples/s predicted
+    tried = list(zip(slow[:3], rows))
+    bound = cannot_win("throughput", True, "samples_per_s", tried, slow[3:], rows[0], 0.1)
+    assert bound and bound.ratio == pytest.approx(2.5) and bound.best_case == pytest.approx(1 * 2.5 * 1.1)
+    assert cannot_win("throughput", True, "samples_per_s", tried[:1], slow[3:], rows[0], 0.1) is None  # one ratio
+    assert cannot_win("throughput", True, "samples_per_s", tried, slow[:1], rows[0], 0.1) is None  # 11 > 10

@@ -15,6 +15,7 @@ from ..config.deepspeed.autotuning import tune_settings
 from ..config.sources import load_dict, read_file
 from ..planner import CHECKPOINTING, MODEL_PRESETS, PlanError, cluster_preset, resolve_model
 from ..tune import METRICS, TuneSettings, candidates, tune
+from ..tune.bound import DEFAULT_MARGIN
 from ..tune.results import RESULT_FILES, print_results, write_results
 from ..tune.tuner import TRIALS_FILE
 from .flags import positive
@@ -65,6 +66,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a trial still running after this is stopped and named a hang (default 600)")
     p.add_argument("--early-stopping", type=positive(int), metavar="N",
                    help="stop after N trials in a row that do not beat the best")
+    p.add_argument("--bound-margin", type=float, default=DEFAULT_MARGIN, metavar="FRACTION",
+                   help="stop when no remaining candidate can beat the measured best even with its prediction "
+                        "corrected by the most favourable measured/predicted ratio seen and this margin (default "
+                        f"{DEFAULT_MARGIN:g}); --no-bound-stop runs them all")
+    p.add_argument("--no-bound-stop", action="store_true", help="do not stop by the planner's bound")
     p.add_argument("--results", metavar="DIR", help="where results go (default tune_results)")
     p.add_argument("--runs-dir", metavar="DIR", help="where each trial's run directory goes (default: --results)")
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None,
@@ -129,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise tune: warm-up {s['warmup']} must be 0 or more and below the {s['steps']} steps, so that "
               "some step is measured", file=sys.stderr)
         return 2
+    if not 0 <= args.bound_margin < 1:
+        print(f"shardwise tune: --bound-margin {args.bound_margin:g} must be at least 0 and below 1; 0.1 allows "
+              "10 % better than the most favourable ratio seen", file=sys.stderr)
+        return 2
     results = Path(s["results"])
     runs = Path(s["runs_dir"]) if s["runs_dir"] else results
     base = _base_config(args.config)
@@ -146,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     settings = TuneSettings(script=args.script, script_args=tuple(args.script_args), nproc=args.nproc_per_node,
                             steps=s["steps"], warmup=s["warmup"], metric=s["metric"], time_budget_s=args.time_budget,
                             trial_deadline_s=args.trial_timeout, early_stopping=s["early_stopping"], results=results,
-                            runs=runs)
+                            runs=runs, bound_margin=None if args.no_bound_stop else args.bound_margin)
     print(f"shardwise tune: {len(chosen)} candidates of {spec.name} on {cluster.name}; results in {results}",
           flush=True)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from .accuracy import Accuracy, planner_accuracy, relative_error
+from .bound import DEFAULT_MARGIN, cannot_win
 from .candidates import Candidate
 from .trial import TrialResult, run_trial
 
@@ -30,6 +31,7 @@ class TuneSettings:
     time_budget_s: Optional[float] = None
     trial_deadline_s: float = 600.0
     early_stopping: Optional[int] = None   # stop after this many trials in a row that do not beat the best
+    bound_margin: Optional[float] = DEFAULT_MARGIN  # stop by the planner's bound with this margin (None: never)
     results: Path = Path("tune_results")
     runs: Optional[Path] = None            # where each trial's run directory goes (default: results)
 
@@ -87,6 +89,7 @@ def tune(candidates: Sequence[Candidate], settings: TuneSettings,
         raise ValueError(f"metric {settings.metric!r}: use one of {', '.join(METRICS)}")
     result = TuneResult()
     start, since_better = time.monotonic(), 0
+    tried: list[tuple[Candidate, dict[str, Any]]] = []
     for number, candidate in enumerate(candidates, 1):
         if settings.time_budget_s is not None and time.monotonic() - start >= settings.time_budget_s:
             result.stopped = f"the time budget of {settings.time_budget_s:g} s was spent after {number - 1} trials"
@@ -94,11 +97,18 @@ def tune(candidates: Sequence[Candidate], settings: TuneSettings,
         if settings.early_stopping is not None and since_better >= settings.early_stopping:
             result.stopped = f"{since_better} trials in a row did not beat the best (early stopping)"
             break
+        bound = settings.bound_margin is not None and cannot_win(
+            settings.metric, METRICS[settings.metric][1], METRICS[settings.metric][0], tried,
+            candidates[number - 1:], result.best, settings.bound_margin)
+        if bound:
+            result.stopped = bound.describe(settings.metric, settings.bound_margin)
+            break
         trial = run_trial(candidate.config, settings.script, settings.script_args, nproc=settings.nproc,
                           steps=settings.steps, warmup=settings.warmup, deadline_s=settings.trial_deadline_s,
                           run_dir=(settings.runs or settings.results) / f"trial{number}")
         row = trial_row(number, candidate, trial)
         result.rows.append(row)
+        tried.append((candidate, row))
         append_trial(settings.results, row)
         on_trial(row)
         if _better(settings.metric, row, result.best):
