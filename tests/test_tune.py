@@ -165,3 +165,85 @@ def test_step_limit_reads_its_variable(monkeypatch):
     monkeypatch.setenv(STOP_AFTER_STEPS_ENV, "0")
     with pytest.raises(ValueError, match="set it to an integer >= 1"):
         step_limit()
+
+
+# Trains --steps steps and, when not stopped by a trial's step limit, says on rank 0 what config it trained under.
+TRAINS = '''
+import argparse, json, os
+import torch
+import shardwise as sw
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+
+def example_inputs(batch, seq):
+    return torch.randn(batch, 16)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=3)
+    args, _ = p.parse_known_args()  # --deepspeed and --deepspeed_config are DeepSpeed's
+    sw.init()
+    model = sw.DistributedModel(build())
+    optimizer = sw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @sw.step
+    def train_step(model, x):
+        loss = torch.nn.functional.mse_loss(model(x), x)
+        model.backward(loss)
+        return loss
+
+    for _ in range(args.steps):
+        optimizer.zero_grad()
+        train_step(model, torch.randn(4, 16)).reduce_mean()
+        optimizer.step()
+    if sw.rank() == 0:
+        with open("trained.json", "w") as f:
+            json.dump({"config": json.load(open(os.environ["SHARDWISE_CONFIG"])), "steps": args.steps}, f)
+'''
+
+
+def test_run_autotuning_run_tunes_then_trains_with_the_best_config(tmp_path, monkeypatch, capsys):
+    """DeepSpeed's `deepspeed --autotuning run train.py --deepspeed --deepspeed_config ds.json` as `shardwise
+    run`: the script's DeepSpeed config's autotuning block sets the tuner (1 trial of 2 steps, results in tuned/),
+    then the real training runs all its steps on 4 ranks under best_config.json."""
+    (tmp_path / "tiny_auto.py").write_text(textwrap.dedent(TRAINS))
+    (tmp_path / "ds.json").write_text(json.dumps({"autotuning": {
+        "enabled": True, "tuner_num_trials": 1, "end_profile_step": 2, "results_dir": "tuned"}}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["run", "--autotuning", "run", "--model", "tiny_auto:build", "--nproc-per-node", "4", "tiny_auto.py",
+                 "--steps", "3", "--deepspeed", "--deepspeed_config", "ds.json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "tuned" / "trials.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["failure"] is None and rows[0]["measured_steps"] == 1
+    best = json.loads((tmp_path / "tuned" / "best_config.json").read_text())
+    trained = json.loads((tmp_path / "trained.json").read_text())
+    assert trained["steps"] == 3 and all(trained["config"].get(k) == v for k, v in best.items())
+    assert "shardwise tune: running the best config: shardwise run --nproc-per-node 4 --config" in out
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--autotuning", "tune"], "--autotuning needs --model MODEL"),
+    (["--model", "gpt2"], "--model is read only with --autotuning"),
+    (["--autotuning", "run", "--model", "gpt2", "--nproc-per-node", "2", "--nnodes", "2"],
+     "--nnodes is not taken with --autotuning"),
+    (["--autotuning", "tune", "--model", "gpt2", "--set", "microbatches=2"], "--set is not taken with --autotuning"),
+    (["--autotuning", "tune", "--model", "gpt2"], "--autotuning needs --nproc-per-node N"),
+])
+def test_run_autotuning_refuses_what_it_cannot_honour(flags, says, capsys):
+    assert main(["run", *flags, "train.py"]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_the_scripts_deepspeed_config_is_found_as_deepspeed_finds_it():
+    from shardwise.cli.tune import deepspeed_config_arg
+
+    assert deepspeed_config_arg(["--deepspeed", "--deepspeed_config", "ds.json"]) == "ds.json"
+    assert deepspeed_config_arg(["--deepscale_config=old.json", "--lr", "1"]) == "old.json"
+    assert deepspeed_config_arg(["--lr", "1"]) is None

@@ -11,7 +11,7 @@ from ..checkpoint import CheckpointError
 from ..errors import ConfigError
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["check_config", "run", "demo", "plan", "tune", "export", "report"]
+COMMANDS = ["check_config", "run", "demo", "plan", "tune", "calibrate", "export", "report"]
 
 
 def build_parser() -> argparse.ArgumentParser:

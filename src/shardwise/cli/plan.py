@@ -8,8 +8,9 @@ import sys
 import warnings
 
 from ..config.sources import load_dict
-from ..planner import (CHECKPOINTING, CLUSTER_PRESETS, MODEL_PRESETS, Plan, PlanError, cluster_preset, custom_cluster,
+from ..planner import (CHECKPOINTING, CLUSTER_PRESETS, MODEL_PRESETS, Plan, PlanError, custom_cluster,
                        evaluate, plan, print_plan, resolve_model, to_json, write_config)
+from ..planner.cluster_file import resolve_cluster
 from ..planner.hardware import GB, GiB
 from ..planner.report import checkpointing_call, config_format
 from ..config.layout import validate
@@ -48,8 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-shape", type=_shape, metavar="D[,D...]",
                    help="with module:function: one sample's shape, e.g. 1024 or 3,224,224; the traced forward gets "
                         "a float tensor of (batch, *shape) as its first argument")
-    p.add_argument("--cluster", metavar="[N x]PRESET",
-                   help=f"e.g. 16xp4d.24xlarge; presets: {', '.join(CLUSTER_PRESETS)}")
+    p.add_argument("--cluster", metavar="[N x]PRESET|FILE",
+                   help=f"e.g. 16xp4d.24xlarge; presets: {', '.join(CLUSTER_PRESETS)}; or a cluster file "
+                        "(`shardwise tune --calibrate` writes one)")
     p.add_argument("--global-batch", type=positive(int), metavar="B",
                    help="sequences per step (default: one per device)")
     p.add_argument("--seq", type=positive(int), metavar="S", help="tokens per sequence (default: the model's)")
@@ -88,7 +90,7 @@ def _cluster(args: argparse.Namespace):
     values = {dest: getattr(args, dest) * unit if getattr(args, dest) is not None else None
               for _, dest, unit, *_ in _CLUSTER_FLAGS}
     if args.cluster:
-        return cluster_preset(args.cluster, **values)
+        return resolve_cluster(args.cluster, **values)
     clocked = [flag for flag, dest in (("--clock-mhz", "clock_mhz"), ("--power-limit-w", "power_limit_watts"))
                if values.pop(dest) is not None]
     if clocked:

@@ -93,6 +93,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="the config's checkpoint_dir: where a preempted job (SIGTERM) saves, and where the script "
                         "finds the newest complete checkpoint to resume from after a restart")
+    tuning = p.add_argument_group("autotuning", "DeepSpeed's launcher flag: `shardwise tune` on this node's ranks "
+                                                 "first (docs/tune.md)")
+    tuning.add_argument("--autotuning", choices=("tune", "run"), default=None,
+                        help="tune: run the planner's best layouts for a few steps each and write the results "
+                             "(best_config.json ...); run: tune, then train with the best config")
+    tuning.add_argument("--model", default=None, metavar="MODEL",
+                        help="with --autotuning: the model the script trains, as `shardwise plan --model` takes it")
     p.add_argument("script", help="the training script (run as `python -u script ...` on every rank)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(handler=run)
@@ -107,6 +114,10 @@ def launch_from_args(args: argparse.Namespace, script: str, script_args: Sequenc
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.autotuning or args.model:
+        from .tune import autotune  # the tuner, only when asked for
+
+        return autotune(args)
     overrides = list(args.overrides)
     if args.checkpoint_dir is not None:  # absolute: the ranks and every relaunch find the same directory
         overrides.append(f"checkpoint_dir={os.path.abspath(args.checkpoint_dir)}")

@@ -13,10 +13,13 @@ from pathlib import Path
 from ..config import deepspeed
 from ..config.deepspeed.autotuning import tune_settings
 from ..config.sources import load_dict, read_file
-from ..planner import CHECKPOINTING, MODEL_PRESETS, PlanError, cluster_preset, resolve_model
+from ..planner import CHECKPOINTING, MODEL_PRESETS, PlanError, resolve_model
+from ..planner.cluster_file import resolve_cluster
 from ..tune import METRICS, TuneSettings, candidates, tune
 from ..tune.bound import DEFAULT_MARGIN
-from ..tune.results import RESULT_FILES, print_results, write_results
+from ..tune.calibrate import calibrate_results
+from ..tune.results import RESULT_FILES, best_command, print_results, write_results
+from ..tune.trial import launch_best
 from ..tune.tuner import TRIALS_FILE
 from .flags import positive
 from .plan import _shape
@@ -41,9 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-node", type=positive(int), default=1, metavar="N", help="ranks per trial (default 1)")
     p.add_argument("--nnodes", type=positive(int), default=1, metavar="M",
                    help="nodes (only 1: tuning across nodes is not built)")
-    p.add_argument("--cluster", default="local", metavar="PRESET",
+    p.add_argument("--cluster", default="local", metavar="PRESET|FILE",
                    help="the planner's description of this node's devices (default local: this machine's CPUs); "
-                        "e.g. p4d.24xlarge on such a node")
+                        "e.g. p4d.24xlarge on such a node, or a cluster file --calibrate wrote")
     p.add_argument("--config", metavar="BASE",
                    help="base config (shardwise, SMP or DeepSpeed file) the candidates' layout keys are set over; a "
                         "DeepSpeed config's enabled autotuning block sets the flags not given (docs/tune.md)")
@@ -75,6 +78,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs-dir", metavar="DIR", help="where each trial's run directory goes (default: --results)")
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None,
                    help="replace an earlier tuning run's results and trial directories (default: refuse them)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="after the trials, fit the planner's constants for this cluster to the measured step times "
+                        "and write <results>/cluster.json, which --cluster FILE reads back (docs/tune.md)")
+    p.add_argument("--run-after", action="store_true",
+                   help="then launch the real training with best_config.json (DeepSpeed's --autotuning run)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(handler=run)
@@ -144,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     base = _base_config(args.config)
     try:
         spec = resolve_model(args.model, input_shape=args.input_shape, seq=args.seq)
-        cluster = cluster_preset(args.cluster, nodes=1, devices_per_node=args.nproc_per_node)
+        cluster = resolve_cluster(args.cluster, nodes=1, devices_per_node=args.nproc_per_node)
         chosen = candidates(spec, cluster, base, limit=s["trials"], global_batch=args.global_batch, seq=args.seq,
                             precision=_precision(base), checkpointing=args.checkpointing,
                             shuffled=s["order"] == "random")
@@ -156,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     settings = TuneSettings(script=args.script, script_args=tuple(args.script_args), nproc=args.nproc_per_node,
                             steps=s["steps"], warmup=s["warmup"], metric=s["metric"], time_budget_s=args.time_budget,
                             trial_deadline_s=args.trial_timeout, early_stopping=s["early_stopping"], results=results,
-                            runs=runs, bound_margin=None if args.no_bound_stop else args.bound_margin)
+                            runs=runs, bound_margin=None if args.no_bound_stop else args.bound_margin,
+                            planning=_planning(args, cluster))
     print(f"shardwise tune: {len(chosen)} candidates of {spec.name} on {cluster.name}; results in {results}",
           flush=True)
 
@@ -173,4 +182,84 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise tune: report: {write_tune_report(result, settings)}")
     except ImportError as err:
         print(f"shardwise tune: no tune_report.html: {err}", file=sys.stderr)
-    return 0 if best_path else 1
+    if args.calibrate and result.accuracy.trials:
+        print_calibration(*calibrate_results(results, settings.planning))
+    if best_path is None:
+        return 1
+    if args.run_after:
+        print(f"shardwise tune: running the best config: {best_command(settings, best_path)}", flush=True)
+        return launch_best(settings.script, settings.script_args, settings.nproc, best_path)
+    return 0
+
+
+def _planning(args: argparse.Namespace, cluster) -> dict:
+    """What the candidates were planned with, kept in summary.json so the trials can be predicted again
+    (`shardwise calibrate`)."""
+    return {"model": args.model, "input_shape": list(args.input_shape) if args.input_shape else None,
+            "seq": args.seq, "global_batch": args.global_batch or cluster.world_size,
+            "checkpointing": args.checkpointing, "cluster": args.cluster, "nproc": args.nproc_per_node}
+
+
+def print_calibration(fitted, path: Path, held: list) -> None:
+    """Each trial's predicted step time before and after calibration against the measured one."""
+    before, after = fitted.errors(fitted.before), fitted.errors(fitted.after)
+    for n, b, a, m, eb, ea in zip(fitted.trials, fitted.before, fitted.after, fitted.measured, before, after):
+        print(f"calibration: trial {n}: measured {m:.4f} s, predicted {b:.4f} s ({eb:+.0%}) before, "
+              f"{a:.4f} s ({ea:+.0%}) after")
+    s = fitted.summary()
+    print(f"calibration: mean |error| {s['mean_abs_error_before']:.0%} before, {s['mean_abs_error_after']:.0%} after; "
+          f"within 10 %: {s['within_10_percent_before']} before, {s['within_10_percent_after']} after, of "
+          f"{len(fitted.trials)}")
+    for n, b, a, m in held:
+        print(f"calibration: trial {n} held out: measured {m:.4f} s, predicted {b:.4f} s ({b / m - 1:+.0%}) before, "
+              f"{a:.4f} s ({a / m - 1:+.0%}) by a fit on the others")
+    print("calibration: " + ", ".join(f"{k} ×{v:.3g}" for k, v in fitted.scales.items()) + f"; cluster file {path} "
+          f"(shardwise plan --cluster {path})")
+
+
+# `shardwise run` flags that say where or how to launch one job, which a tuning run on this node's ranks decides.
+_NOT_WITH_AUTOTUNING = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
+                        "hostfile": "--hostfile", "include": "--include", "exclude": "--exclude",
+                        "num_nodes": "--num_nodes", "overrides": "--set", "run_dir": "--run-dir",
+                        "max_restarts": "--max-restarts", "checkpoint_dir": "--checkpoint-dir"}
+_DEEPSPEED_CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
+
+
+def deepspeed_config_arg(script_args: list[str]) -> str | None:
+    """The DeepSpeed config a script is given (`--deepspeed_config ds.json` or `=ds.json`), as DeepSpeed's
+    autotuner finds it."""
+    for i, arg in enumerate(script_args):
+        name, eq, value = arg.partition("=")
+        if name in _DEEPSPEED_CONFIG_FLAGS:
+            return value if eq else (script_args[i + 1] if i + 1 < len(script_args) else None)
+    return None
+
+
+def autotune(args: argparse.Namespace) -> int:
+    """`shardwise run --autotuning tune|run --model M` (DeepSpeed's launcher flag): `shardwise tune` on this
+    node's ranks with the run's config (else the script's --deepspeed_config) as the base, whose autotuning
+    block sets the tuner's settings; `run` then trains with the best config."""
+    if not args.autotuning:
+        print("shardwise run: --model is read only with --autotuning; drop it, or add --autotuning tune|run",
+              file=sys.stderr)
+        return 2
+    if not args.model:
+        print("shardwise run: --autotuning needs --model MODEL, the model the script trains as `shardwise plan "
+              "--model` takes it (a preset, FAMILY:key=value,..., a config.json or module:function)", file=sys.stderr)
+        return 2
+    given = [flag for dest, flag in _NOT_WITH_AUTOTUNING.items() if getattr(args, dest, None) not in (None, [], 0)]
+    if given:
+        print(f"shardwise run: {given[0]} is not taken with --autotuning, which tunes on this node's ranks; drop it, "
+              "or use `shardwise tune` (docs/tune.md)", file=sys.stderr)
+        return 2
+    nproc = args.nproc_per_node or args.num_gpus
+    if nproc is None:
+        print("shardwise run: --autotuning needs --nproc-per-node N (or --num_gpus N): the ranks each trial runs on",
+              file=sys.stderr)
+        return 2
+    config = args.config or deepspeed_config_arg(args.script_args)
+    from . import build_parser  # the CLI's parser: `tune` reads its flags as given on its own
+
+    argv = ["tune", "--model", args.model, "--nproc-per-node", str(nproc), *(["--config", config] if config else []),
+            *(["--run-after"] if args.autotuning == "run" else []), args.script, *args.script_args]
+    return run(build_parser().parse_args(argv))

@@ -33,7 +33,7 @@ def write_results(result: TuneResult, settings: TuneSettings) -> Optional[Path]:
     """best_config.json and best_cmd.txt when a trial was measured (their path, else None), and summary.json."""
     settings.results.mkdir(parents=True, exist_ok=True)
     summary = {"metric": settings.metric, "stopped": result.stopped, "best_trial": result.best and result.best["trial"],
-               **asdict(result.accuracy)}
+               **asdict(result.accuracy), "planning": dict(settings.planning)}
     (settings.results / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     if result.best is None:
         return None

@@ -67,6 +67,15 @@ def launch_command(script: str, script_args: Sequence[str], config_path: Path, r
             str(config_path), "--run-dir", str(run_dir), "--console-ranks", "none", script, *script_args]
 
 
+def launch_best(script: str, script_args: Sequence[str], nproc: int, config_path: Path) -> int:
+    """The real training: `shardwise run` of the script under the best config (no step limit), its output on
+    this console; its exit code."""
+    env = {k: v for k, v in os.environ.items() if k != STOP_AFTER_STEPS_ENV}
+    command = [sys.executable, "-c", _CLI, "run", "--nproc-per-node", str(nproc), "--config", str(config_path),
+               script, *script_args]
+    return subprocess.run(command, env=env, stdin=subprocess.DEVNULL).returncode
+
+
 def _rank_logs(run_dir: Path) -> str:
     texts = []
     for path in sorted(run_dir.glob("logs/rank*/stderr.log")):

@@ -7,7 +7,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .accuracy import Accuracy, planner_accuracy, relative_error
 from .bound import DEFAULT_MARGIN, cannot_win
@@ -34,6 +34,7 @@ class TuneSettings:
     bound_margin: Optional[float] = DEFAULT_MARGIN  # stop by the planner's bound with this margin (None: never)
     results: Path = Path("tune_results")
     runs: Optional[Path] = None            # where each trial's run directory goes (default: results)
+    planning: Mapping[str, Any] = field(default_factory=dict)  # what the candidates were planned with (summary.json)
 
 
 @dataclass

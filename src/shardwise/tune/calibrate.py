@@ -1,0 +1,218 @@
+"""Calibration: the planner's free constants for this cluster fitted to what a tuning run measured, so that its
+predictions for the same configs come near the measured step times; written as a cluster file
+(planner/cluster_file.py) that `shardwise plan --cluster FILE` and `shardwise tune --cluster FILE` read back.
+
+The constants fitted are those the time model takes from the cluster (planner/timing.py, efficiency.py,
+collectives.py): the FLOP/s a device sustains (its peak × the achievable share: what the matmuls achieve),
+the memory bandwidth of the optimizer step and the streaming kernels, and the per-device bandwidth and the
+per-step latency of the collectives inside a node (gloo or NCCL as measured, link efficiency included). Each
+is a scale on the preset's value, fitted in log space by least squares on log(predicted / measured) over
+the measured trials, the planner itself run for each trial's config at every point tried (its overlaps and
+maxima make the step time no sum of the constants' shares). A small pull toward the preset keeps a constant
+no trial's time depends on where it was. The planner has no per-step host overhead (Python, launches) to fit:
+what such an overhead costs ends up in the constants above.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from ..config import ConfigError
+from ..planner import ClusterSpec, ModelSpec, evaluate, resolve_model
+from ..planner.cluster_file import is_cluster_file, resolve_cluster, with_values, write_cluster_file
+from .results import SUMMARY_FILE
+from .tuner import TRIALS_FILE
+
+# name → (what it is, how it is read from a cluster); each is fitted as a scale on that value.
+CONSTANTS: dict[str, tuple[str, Callable[[ClusterSpec], float]]] = {
+    "peak_flops": ("sustained FLOP/s per device (× the achievable share)",
+                   lambda c: max(c.device.peak_flops.values())),
+    "memory_bandwidth": ("memory bandwidth per device, bytes/s", lambda c: c.device.memory_bandwidth),
+    "intra_node_bandwidth": ("collective bandwidth per device inside a node, bytes/s",
+                             lambda c: c.intra_node_bandwidth),
+    "intra_node_latency": ("latency per collective step inside a node, s", lambda c: c.intra_node_latency),
+}
+_SPAN = 9.0          # each log-scale is searched in [-_SPAN, _SPAN] (×1/8000 to ×8000)
+_GRID = 13           # coarse points per constant before the golden-section refinement
+_ROUNDS = 3          # passes over the constants
+_PULL = 1e-3         # weight of each log-scale² in the loss: unfitted constants stay at the preset
+CALIBRATED_CLUSTER_FILE = "cluster.json"
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A measured trial as calibration uses it: the config that ran and its measured step time."""
+
+    trial: int
+    config: dict[str, Any]
+    measured_step_time_s: float
+
+
+@dataclass
+class Calibration:
+    values: dict[str, float]                 # the fitted constants (absolute), as a cluster file holds them
+    scales: dict[str, float]                 # each over the preset's value
+    trials: list[int] = field(default_factory=list)
+    before: list[float] = field(default_factory=list)   # predicted step time per trial, preset cluster
+    after: list[float] = field(default_factory=list)    # the same, calibrated cluster
+    measured: list[float] = field(default_factory=list)
+
+    def errors(self, predicted: Sequence[float]) -> list[float]:
+        return [p / m - 1 for p, m in zip(predicted, self.measured)]
+
+    def summary(self) -> dict[str, Any]:
+        def mean_abs(errors):
+            return sum(abs(e) for e in errors) / len(errors) if errors else None
+
+        before, after = self.errors(self.before), self.errors(self.after)
+        return {"constants": self.values, "scales": self.scales, "trials": self.trials,
+                "mean_abs_error_before": mean_abs(before), "mean_abs_error_after": mean_abs(after),
+                "within_10_percent_before": sum(abs(e) <= 0.1 for e in before),
+                "within_10_percent_after": sum(abs(e) <= 0.1 for e in after)}
+
+
+def measured_trials(rows: Sequence[Mapping[str, Any]]) -> list[Trial]:
+    """The rows of trials.jsonl that measured a step time."""
+    return [Trial(r["trial"], r["config"], r["measured_step_time_s"]) for r in rows
+            if r.get("measured_step_time_s")]
+
+
+def read_trials(results: Path) -> list[dict[str, Any]]:
+    path = results / TRIALS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; give the --results directory of a `shardwise tune` run")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class _Model:
+    """The planner's step time for each trial on the cluster with the constants scaled by exp(θ)."""
+
+    def __init__(self, spec: ModelSpec, cluster: ClusterSpec, trials: Sequence[Trial], global_batch: int,
+                 seq: Optional[int], checkpointing: str):
+        self.spec, self.cluster, self.trials = spec, cluster, list(trials)
+        self.global_batch, self.seq, self.checkpointing = global_batch, seq, checkpointing
+        self.base = {name: read(cluster) for name, (_, read) in CONSTANTS.items()}
+
+    def values(self, theta: Sequence[float]) -> dict[str, float]:
+        return {name: self.base[name] * math.exp(t) for name, t in zip(CONSTANTS, theta)}
+
+    def cluster_at(self, theta: Sequence[float]) -> ClusterSpec:
+        return with_values(self.cluster, self.values(theta))
+
+    def predict(self, theta: Sequence[float], trials: Optional[Sequence[Trial]] = None) -> list[float]:
+        cluster = self.cluster_at(theta)
+        return [evaluate(self.spec, cluster, t.config, global_batch=self.global_batch, seq=self.seq,
+                         checkpointing=self.checkpointing).step_time for t in (trials or self.trials)]
+
+    def loss(self, theta: Sequence[float]) -> float:
+        logs = [math.log(p / t.measured_step_time_s) for p, t in zip(self.predict(theta), self.trials)]
+        return sum(x * x for x in logs) / len(logs) + _PULL * sum(t * t for t in theta)
+
+
+def _golden(f: Callable[[float], float], lo: float, hi: float, steps: int = 16) -> float:
+    """The minimum of a function unimodal on [lo, hi], by golden-section search."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = f(a), f(b)
+    for _ in range(steps):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = f(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = f(b)
+    return (lo + hi) / 2
+
+
+def _fit(model: _Model) -> list[float]:
+    """Coordinate descent over the log-scales: each constant on a coarse grid, then golden section around the
+    grid's best, the others held; a few passes."""
+    theta = [0.0] * len(CONSTANTS)
+    step = 2 * _SPAN / (_GRID - 1)
+    for _ in range(_ROUNDS):
+        for i in range(len(theta)):
+            def at(x: float, i=i) -> float:
+                return model.loss([*theta[:i], x, *theta[i + 1:]])
+
+            grid = [-_SPAN + k * step for k in range(_GRID)]
+            best = min(grid, key=at)
+            refined = _golden(at, max(-_SPAN, best - step), min(_SPAN, best + step))
+            theta[i] = min((best, refined, theta[i]), key=at)
+    return theta
+
+
+def calibrate(spec: ModelSpec, cluster: ClusterSpec, trials: Sequence[Trial], *, global_batch: int,
+              seq: Optional[int] = None, checkpointing: str = "none") -> Calibration:
+    """Fit the cluster's constants to the measured `trials` (each config as the planner predicts it with
+    `global_batch`, `seq` and `checkpointing`); a ValueError without a trial to fit."""
+    usable = []
+    for t in trials:
+        try:
+            evaluate(spec, cluster, t.config, global_batch=global_batch, seq=seq, checkpointing=checkpointing)
+        except ConfigError:
+            continue  # a config the planner refuses on this cluster has no prediction to correct
+        usable.append(t)
+    if not usable:
+        raise ValueError("no measured trial to calibrate from; run `shardwise tune` until some trial is measured")
+    model = _Model(spec, cluster, usable, global_batch, seq, checkpointing)
+    theta = _fit(model)
+    values = model.values(theta)
+    return Calibration(values=values, scales={k: values[k] / model.base[k] for k in values},
+                       trials=[t.trial for t in usable], before=model.predict([0.0] * len(theta)),
+                       after=model.predict(theta), measured=[t.measured_step_time_s for t in usable])
+
+
+def calibrated_cluster(cluster: ClusterSpec, calibration: Calibration) -> ClusterSpec:
+    return with_values(cluster, calibration.values)
+
+
+def held_out(spec: ModelSpec, cluster: ClusterSpec, trials: Sequence[Trial], left_out: int, *, global_batch: int,
+             seq: Optional[int] = None, checkpointing: str = "none") -> tuple[float, float, float]:
+    """Fit on every trial but `left_out` (a trial number) and predict that one: (before, after, measured)."""
+    out = next(t for t in trials if t.trial == left_out)
+    fitted = calibrate(spec, cluster, [t for t in trials if t.trial != left_out], global_batch=global_batch,
+                       seq=seq, checkpointing=checkpointing)
+    after = evaluate(spec, calibrated_cluster(cluster, fitted), out.config, global_batch=global_batch, seq=seq,
+                     checkpointing=checkpointing).step_time
+    before = evaluate(spec, cluster, out.config, global_batch=global_batch, seq=seq,
+                      checkpointing=checkpointing).step_time
+    return before, after, out.measured_step_time_s
+
+
+def planning_inputs(results: Path) -> dict[str, Any]:
+    """What the tuning run planned with (summary.json's `planning`: model, cluster, ranks, batch, sequence,
+    checkpointing), {} when it does not say."""
+    path = results / SUMMARY_FILE
+    return dict(json.loads(path.read_text(encoding="utf-8")).get("planning") or {}) if path.is_file() else {}
+
+
+def calibrate_results(results: Path, planning: Mapping[str, Any], out: Optional[Path] = None,
+                      leave_one_out: bool = False) -> tuple[Calibration, Path, list[tuple[int, float, float, float]]]:
+    """Calibrate from a tuning run's results directory and write the cluster file (default
+    <results>/cluster.json). Also, with `leave_one_out`, each trial predicted by a fit on the others:
+    (trial, before, after, measured)."""
+    spec = resolve_model(planning["model"], input_shape=tuple(planning.get("input_shape") or ()) or None,
+                         seq=planning.get("seq"))
+    cluster_text = planning.get("cluster") or "local"
+    cluster = resolve_cluster(cluster_text, nodes=1, devices_per_node=planning["nproc"])
+    trials = measured_trials(read_trials(results))
+    inputs = dict(global_batch=planning.get("global_batch") or cluster.world_size, seq=planning.get("seq"),
+                  checkpointing=planning.get("checkpointing") or "none")
+    fitted = calibrate(spec, cluster, trials, **inputs)
+    held = []
+    if leave_one_out and len(fitted.trials) > 2:
+        held = [(n, *held_out(spec, cluster, [t for t in trials if t.trial in fitted.trials], n, **inputs))
+                for n in fitted.trials]
+    preset = json.loads(Path(cluster_text).read_text())["preset"] if is_cluster_file(cluster_text) else cluster_text
+    report = {**fitted.summary(), "measured": fitted.measured, "predicted_before": fitted.before,
+              "predicted_after": fitted.after, "fitted_from": str(results.resolve()), "planning": dict(planning)}
+    if held:
+        report["held_out"] = [dict(zip(("trial", "before", "after", "measured"), h)) for h in held]
+    path = write_cluster_file(out or results / CALIBRATED_CLUSTER_FILE, preset, cluster, fitted.values, report)
+    return fitted, path, held
