@@ -39,7 +39,7 @@ CONSTANTS: dict[str, tuple[str, Callable[[ClusterSpec], float]]] = {
 _SPAN = 9.0          # each log-scale is searched in [-_SPAN, _SPAN] (×1/8000 to ×8000)
 _GRID = 13           # coarse points per constant before the golden-section refinement
 _ROUNDS = 3          # passes over the constants
-_PULL = 1e-3         # weight of each log-scale² in the loss: unfitted constants stay at the preset
+_PULL = 1e-6         # weight of each log-scale² in the loss: a constant no trial depends on stays at the preset
 CALIBRATED_CLUSTER_FILE = "cluster.json"
 
 
