@@ -182,8 +182,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise tune: report: {write_tune_report(result, settings)}")
     except ImportError as err:
         print(f"shardwise tune: no tune_report.html: {err}", file=sys.stderr)
-    if args.calibrate and result.accuracy.trials:
-        print_calibration(*calibrate_results(results, settings.planning))
+    if args.calibrate:
+        try:
+            print_calibration(*calibrate_results(results, settings.planning))
+        except ValueError as err:  # nothing measured that the planner predicts
+            print(f"shardwise tune: no calibration: {err}", file=sys.stderr)
     if best_path is None:
         return 1
     if args.run_after:

@@ -2,12 +2,12 @@
 --calibrate` writes one), read back wherever `--cluster` takes a preset.
 
     {"cluster_file": 1, "preset": "local", "nodes": 1, "devices_per_node": 4,
-     "values": {"peak_flops": 1.2e9, "memory_bandwidth": 3e9, "intra_node_bandwidth": 2e8,
+     "values": {"peak_flops": {"fp32": 1.2e9, "bf16": 1.2e9}, "memory_bandwidth": 3e9, "intra_node_bandwidth": 2e8,
                 "intra_node_latency": 4e-4},
      "calibration": {...}}
 
-`values` are absolute (per device or per link, in the units ClusterSpec keeps); `peak_flops` is the rate the
-device sustains in every precision it has, once the time model's own achievable share is applied. Anything
+`values` are absolute (per device or per link, in the units ClusterSpec keeps); `peak_flops` is the rate per
+precision (or one rate for all) to which the time model applies its own achievable share. Anything
 else in the file (`calibration`: how the values were fitted) is for people and is not read.
 """
 
@@ -33,16 +33,18 @@ def is_cluster_file(text: str) -> bool:
     return text.endswith(".json") or Path(text).is_file()
 
 
-def with_values(cluster: ClusterSpec, values: Mapping[str, float]) -> ClusterSpec:
-    """`cluster` with `values` (names of DEVICE_VALUES and CLUSTER_VALUES) replaced; `peak_flops` sets every
-    precision the device has."""
+def with_values(cluster: ClusterSpec, values: Mapping[str, Any]) -> ClusterSpec:
+    """`cluster` with `values` (names of DEVICE_VALUES and CLUSTER_VALUES) replaced; `peak_flops` is one rate
+    for every precision the device has, or a rate for each precision it names."""
     unknown = sorted(set(values) - set(DEVICE_VALUES) - set(CLUSTER_VALUES))
     if unknown:
         raise PlanError(f"cluster file value {unknown[0]!r} is not one a cluster file sets; use "
                         + ", ".join(DEVICE_VALUES + CLUSTER_VALUES))
     device = cluster.device
     if "peak_flops" in values:
-        device = replace(device, peak_flops={dtype: float(values["peak_flops"]) for dtype in device.peak_flops})
+        peak = values["peak_flops"]
+        rates = peak if isinstance(peak, Mapping) else dict.fromkeys(device.peak_flops, peak)
+        device = replace(device, peak_flops={**device.peak_flops, **{k: float(v) for k, v in rates.items()}})
     if "memory_bandwidth" in values:
         device = replace(device, memory_bandwidth=float(values["memory_bandwidth"]))
     return replace(cluster, device=device, **{k: float(v) for k, v in values.items() if k in CLUSTER_VALUES})
@@ -71,7 +73,7 @@ def resolve_cluster(text: str, **overrides: Any) -> ClusterSpec:
     return read_cluster_file(text, **overrides) if is_cluster_file(text) else cluster_preset(text, **overrides)
 
 
-def write_cluster_file(path: Path, preset: str, cluster: ClusterSpec, values: Mapping[str, float],
+def write_cluster_file(path: Path, preset: str, cluster: ClusterSpec, values: Mapping[str, Any],
                        calibration: Optional[Mapping[str, Any]] = None) -> Path:
     """Write `values` over `preset` for `cluster`'s shape (and how they were found, `calibration`)."""
     data = {"cluster_file": FORMAT, "preset": preset, "nodes": cluster.nodes,

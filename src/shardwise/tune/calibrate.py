@@ -27,14 +27,12 @@ from ..planner.cluster_file import is_cluster_file, resolve_cluster, with_values
 from .results import SUMMARY_FILE
 from .tuner import TRIALS_FILE
 
-# name → (what it is, how it is read from a cluster); each is fitted as a scale on that value.
-CONSTANTS: dict[str, tuple[str, Callable[[ClusterSpec], float]]] = {
-    "peak_flops": ("sustained FLOP/s per device (× the achievable share)",
-                   lambda c: max(c.device.peak_flops.values())),
-    "memory_bandwidth": ("memory bandwidth per device, bytes/s", lambda c: c.device.memory_bandwidth),
-    "intra_node_bandwidth": ("collective bandwidth per device inside a node, bytes/s",
-                             lambda c: c.intra_node_bandwidth),
-    "intra_node_latency": ("latency per collective step inside a node, s", lambda c: c.intra_node_latency),
+# The constants fitted, each as a scale on the cluster's own value: name → how it is read from a cluster.
+CONSTANTS: dict[str, Callable[[ClusterSpec], Any]] = {
+    "peak_flops": lambda c: dict(c.device.peak_flops),   # per precision (× the time model's achievable share)
+    "memory_bandwidth": lambda c: c.device.memory_bandwidth,
+    "intra_node_bandwidth": lambda c: c.intra_node_bandwidth,    # a collective's, per device
+    "intra_node_latency": lambda c: c.intra_node_latency,        # per collective step
 }
 _SPAN = 9.0          # each log-scale is searched in [-_SPAN, _SPAN] (×1/8000 to ×8000)
 _GRID = 13           # coarse points per constant before the golden-section refinement
@@ -54,7 +52,7 @@ class Trial:
 
 @dataclass
 class Calibration:
-    values: dict[str, float]                 # the fitted constants (absolute), as a cluster file holds them
+    values: dict[str, Any]                   # the fitted constants (absolute), as a cluster file holds them
     scales: dict[str, float]                 # each over the preset's value
     trials: list[int] = field(default_factory=list)
     before: list[float] = field(default_factory=list)   # predicted step time per trial, preset cluster
@@ -95,10 +93,13 @@ class _Model:
                  seq: Optional[int], checkpointing: str):
         self.spec, self.cluster, self.trials = spec, cluster, list(trials)
         self.global_batch, self.seq, self.checkpointing = global_batch, seq, checkpointing
-        self.base = {name: read(cluster) for name, (_, read) in CONSTANTS.items()}
+        self.base = {name: read(cluster) for name, read in CONSTANTS.items()}
 
-    def values(self, theta: Sequence[float]) -> dict[str, float]:
-        return {name: self.base[name] * math.exp(t) for name, t in zip(CONSTANTS, theta)}
+    def values(self, theta: Sequence[float]) -> dict[str, Any]:
+        def scaled(value, t):
+            return {k: v * math.exp(t) for k, v in value.items()} if isinstance(value, dict) else value * math.exp(t)
+
+        return {name: scaled(self.base[name], t) for name, t in zip(CONSTANTS, theta)}
 
     def cluster_at(self, theta: Sequence[float]) -> ClusterSpec:
         return with_values(self.cluster, self.values(theta))
@@ -162,8 +163,7 @@ def calibrate(spec: ModelSpec, cluster: ClusterSpec, trials: Sequence[Trial], *,
         raise ValueError("no measured trial to calibrate from; run `shardwise tune` until some trial is measured")
     model = _Model(spec, cluster, usable, global_batch, seq, checkpointing)
     theta = _fit(model)
-    values = model.values(theta)
-    return Calibration(values=values, scales={k: values[k] / model.base[k] for k in values},
+    return Calibration(values=model.values(theta), scales={k: math.exp(t) for k, t in zip(CONSTANTS, theta)},
                        trials=[t.trial for t in usable], before=model.predict([0.0] * len(theta)),
                        after=model.predict(theta), measured=[t.measured_step_time_s for t in usable])
 
