@@ -1,10 +1,13 @@
-"""`shardwise tune` on GPT-2 and Llama (bench/tune_train.py) on N CPU ranks of this machine: the trials, and how
-good the planner's ranking was (Spearman's rho, the regret of its pick, the mean absolute errors).
+"""`shardwise tune` on GPT-2 and Llama (bench/tune_train.py) on N CPU ranks of this machine: the trials, how
+good the planner's ranking was (Spearman's rho, the regret of its pick, the mean absolute errors), and its step
+times calibrated to the trials (`shardwise calibrate --held-out`: fitted on all, and each trial from a fit on the
+others).
 
-    python bench/tune.py --nproc 4 --trials 3 --steps 3 --out bench_tune
+    python bench/tune.py --nproc 4 --trials 6 --steps 4 --out bench_tune
 
-Each family's results directory holds trials.jsonl, tune_report.html and the trials' run directories; the
-summary table is printed as markdown for docs/tune.md.
+Every candidate is run (--no-bound-stop): the bench measures the planner on each. Each family's results directory
+holds trials.jsonl, tune_report.html, cluster.json and the trials' run directories; the tables are printed as
+markdown for docs/tune.md.
 """
 
 from __future__ import annotations
@@ -35,6 +38,22 @@ def _layout(row: dict) -> str:
     return " ".join(degrees + keys) or "DDP"
 
 
+def _calibration_lines(calibrations: dict) -> list[str]:
+    """Per family: mean absolute step-time error and trials within 10 % before and after calibration, fitted on
+    all trials and held out one at a time, and the fitted scales."""
+    lines = ["", "| model | before: mean abs error (within 10 %) | fitted on all | each held out | scales |",
+             "|---|---|---|---|---|"]
+    for family, c in calibrations.items():
+        held = c.get("held_out", [])
+        held_errors = [abs(h["after"] / h["measured"] - 1) for h in held]
+        held_text = (f"{sum(held_errors) / len(held_errors):.0%} ({sum(e <= 0.1 for e in held_errors)})"
+                     if held else "–")
+        scales = ", ".join(f"{k} ×{v:.3g}" for k, v in c["scales"].items())
+        lines.append(f"| {family} | {c['mean_abs_error_before']:.0%} ({c['within_10_percent_before']}) "
+                     f"| {c['mean_abs_error_after']:.0%} ({c['within_10_percent_after']}) | {held_text} | {scales} |")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4)
@@ -46,18 +65,23 @@ def main() -> None:
     args = p.parse_args()
     lines = ["| model | ranks | trial | plan | layout | predicted s | measured s | error | predicted GiB | peak GiB "
              "| error | result |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    summaries = {}
+    summaries, calibrations = {}, {}
     for family in args.families:
         results = args.out / family
         command = [sys.executable, "-c", CLI, "tune", "--model", MODELS[family], "--seq", "64", "--global-batch",
                    str(args.batch_size * args.nproc), "--nproc-per-node", str(args.nproc), "--trials",
                    str(args.trials), "--steps", str(args.steps), "--results", str(results), "--overwrite",
-                   str(TRAIN), "--family", family, "--batch-size", str(args.batch_size)]
+                   "--no-bound-stop", str(TRAIN), "--family", family, "--batch-size", str(args.batch_size)]
         done = subprocess.run(command, capture_output=True, text=True)
         print(done.stdout[-4000:], done.stderr[-2000:], sep="\n", file=sys.stderr)
         if done.returncode not in (0, 1):
             raise SystemExit(f"shardwise tune for {family} exited {done.returncode}")
         summaries[family] = json.loads((results / "summary.json").read_text())
+        calibrated = subprocess.run([sys.executable, "-c", CLI, "calibrate", str(results), "--held-out"],
+                                    capture_output=True, text=True)
+        print(calibrated.stdout, calibrated.stderr, sep="\n", file=sys.stderr)
+        if calibrated.returncode == 0:
+            calibrations[family] = json.loads((results / "cluster.json").read_text())["calibration"]
         for line in (results / "trials.jsonl").read_text().splitlines():
             row = json.loads(line)
             peak = row["max_memory_bytes"]
@@ -73,6 +97,7 @@ def main() -> None:
         regret = "–" if s["regret"] is None else f"{s['regret']:.2f}"
         lines.append(f"| {family} | {s['trials']} | {rho} | {regret} | {_percent(s['mean_abs_step_time_error'])} "
                      f"| {_percent(s['mean_abs_memory_error'])} |")
+    lines += _calibration_lines(calibrations)
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
