@@ -14,7 +14,7 @@ from ..config import deepspeed
 from ..config.deepspeed.autotuning import tune_settings
 from ..config.sources import load_dict, read_file
 from ..planner import CHECKPOINTING, MODEL_PRESETS, PlanError, resolve_model
-from ..planner.cluster_file import resolve_cluster
+from ..planner.cluster_file import is_cluster_file, resolve_cluster
 from ..tune import METRICS, TuneSettings, candidates, tune
 from ..tune.bound import DEFAULT_MARGIN
 from ..tune.calibrate import calibrate_results
@@ -200,7 +200,8 @@ def _planning(args: argparse.Namespace, cluster) -> dict:
     (`shardwise calibrate`)."""
     return {"model": args.model, "input_shape": list(args.input_shape) if args.input_shape else None,
             "seq": args.seq, "global_batch": args.global_batch or cluster.world_size,
-            "checkpointing": args.checkpointing, "cluster": args.cluster, "nproc": args.nproc_per_node}
+            "checkpointing": args.checkpointing, "nproc": args.nproc_per_node,
+            "cluster": str(Path(args.cluster).resolve()) if is_cluster_file(args.cluster) else args.cluster}
 
 
 def print_calibration(fitted, path: Path, held: list) -> None:
