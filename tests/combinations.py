@@ -74,6 +74,8 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
     "tp-ep": (4, 4, {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2}),
     "pp-ep": (4, 4, {"pipeline_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2,
                      "microbatches": 2}),
+    # experts over the 2 cp ranks of ZeRO-3's sharding group (dp_shard × cp = expert_shard × ep), sequences over cp
+    "cp-ep": (4, 4, {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2}),
 }
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 # What moves to host memory: nothing, the optimizer's states (and what it steps), or checkpointed regions' inputs.
@@ -108,6 +110,7 @@ VARIANT_ROWS = [
     ("tp-ep", "mixtral", "fp32", False, "matmul", "after", True, "activations"),
     ("tp-ep", "mixtral", "fp16", True, "none", "before", False, "none"),
     ("pp-ep", "mixtral", "bf16", True, "each", "after", True, "none"),
+    ("cp-ep", "mixtral", "bf16", True, "each", "before", True, "none"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {

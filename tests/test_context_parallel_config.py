@@ -12,6 +12,7 @@ from shardwise.config.validate import config_problems
 from shardwise.config.layout import validate
 from shardwise.errors import ConfigError
 from shardwise.parallel.context import shard_batch, unsplittable_reason
+from shardwise.parallel.context.hooks import _hugging_face_attention
 from shardwise.topology import Cluster, Layout
 from test_context_parallel import tiny
 
@@ -57,8 +58,8 @@ def test_what_cp_does_not_run_with_yet_is_named():
                              pipeline_cut="graph")
     assert [str(p) for p in problems] == [
         "pipeline_cut='graph': does not run with context_parallel_degree 2 in this release (context parallelism "
-        "composes with DDP, ZeRO-1/2/3, MiCS outside pipelines, tensor and sequence parallelism, pipelines cut at "
-        "their blocks, checkpointing and precision); fix: leave pipeline_cut at its default, or set "
+        "composes with DDP, ZeRO-1/2/3, MiCS outside pipelines, tensor, sequence and expert parallelism, pipelines "
+        "cut at their blocks, checkpointing and precision); fix: leave pipeline_cut at its default, or set "
         "context_parallel_degree to 1"]
     assert _layout(Cluster(1, 8), context_parallel_degree=2, tensor_parallel_degree=2)[2] == []
     assert _layout(Cluster(1, 8), context_parallel_degree=2, pipeline_parallel_degree=2)[2] == []
@@ -84,8 +85,31 @@ def test_all_to_all_with_heads_the_degree_does_not_divide_is_refused():
 def test_a_model_whose_attention_cannot_be_split_is_named():
     assert unsplittable_reason(nn.Sequential(nn.Linear(2, 2))) == (
         "context parallelism cannot split the attention of model Sequential: it splits Hugging Face gpt2, llama, "
-        "mistral, qwen2 attention, and a module class marked @context_parallel_attention whose forward calls "
-        "shardwise.parallel.context.attention")
+        "mistral, qwen2, mixtral, qwen2_moe, qwen3_moe, olmoe attention, and a module class marked "
+        "@context_parallel_attention whose forward calls shardwise.parallel.context.attention")
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused():
+    query = torch.zeros(1, 4, 8, 4)
+    with pytest.raises(ValueError, match=r"^sliding-window attention of 4 tokens under context parallelism, which "
+                                         r"attends over the whole 8-token sequence: set the model's sliding_window to "
+                                         r"None \(or at least the sequence length\), or context_parallel_degree to 1$"):
+        _hugging_face_attention(nn.Module(), query, query, query, None, sliding_window=4)
+
+
+def test_experts_borrow_the_cp_ranks_of_the_sharding_group():
+    config, layout, problems = _layout(Cluster(1, 4), context_parallel_degree=4, zero_stage=3,
+                                       expert_parallel_degree=2)
+    assert not problems and (layout.dp_shard, layout.cp) == (1, 4)
+    assert Decisions(config, layout).expert_shards == 2  # dp_shard 1 × cp 4 = expert_shard 2 × ep 2
+    _, _, problems = _layout(Cluster(1, 8), context_parallel_degree=2, sharded_data_parallel_degree=2,
+                             expert_parallel_degree=8)
+    assert [str(p) for p in problems] == [
+        "expert_parallel_degree=8: must divide the sharding group's 4 ranks it borrows from "
+        "(sharded_data_parallel_degree, or the whole data-parallel group under zero_stage 2/3, times "
+        "context_parallel_degree 2); fix: use a divisor of 4: 1, 2, 4"]
+    _, _, problems = _layout(Cluster(1, 4), context_parallel_degree=2, expert_parallel_degree=2)
+    assert [p.path for p in problems] == ["expert_parallel_degree"]  # DDP shards over nothing, cp or not
 
 
 def test_a_sequence_the_degree_does_not_split_is_refused():

@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.testing import run_distributed
+import test_expert_parallel as experts_tests
 from test_context_parallel import POSITIONS, SEQ, VOCAB, tiny
+from tiny_models import dataset, relative_error
 
 STEPS = 3
 TOLERANCE = 2e-5
@@ -126,6 +128,61 @@ def test_mics_partition_groups_span_the_cp_ranks():
     config = {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2, "cross_group_overlap": "forward"}
     errors = run_distributed(train_all, 8, config, ("llama",), False, False, timeout=600)[0]
     assert max(errors.values()) < TOLERANCE, errors
+
+
+def train_moe(family: str, config: dict) -> dict:
+    """One rank: a tiny mixture-of-experts model trained on its replica's whole rows with its loss from labels
+    (cross entropy plus the weighted load-balancing loss); the mean loss, this rank's load-balancing loss per step
+    and the whole parameters."""
+    sw.init(config)
+    model = sw.DistributedModel(experts_tests._model(family))
+    optimizer = sw.DistributedOptimizer(experts_tests._optimizer(model))
+
+    @sw.step
+    def train_step(model, input_ids, labels):
+        output = model(input_ids=input_ids, labels=labels)
+        model.backward(output.loss)
+        return output.loss, output.aux_loss.detach()
+
+    world_rows = experts_tests.WORLD * experts_tests.ROWS  # one process's batch per step
+    inputs, targets = dataset("llama", STEPS * world_rows).tensors
+    rows = world_rows // sw.rdp_size()
+    losses, aux = [], []
+    for step in range(STEPS):
+        mine = slice(step * world_rows + sw.dp_rank() * rows, step * world_rows + (sw.dp_rank() + 1) * rows)
+        loss, balance = train_step(model, inputs[mine], targets[mine])
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = torch.as_tensor(loss.reduce_mean()).detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / sw.size())
+        aux.append(balance.reduce_mean().item())
+    return {"losses": losses, "aux": aux, "state": model.full_state_dict()}
+
+
+MOE_CASES = {
+    # ep over the two cp ranks of each replica; the replica check after every step
+    "mixtral-cp2-ep2-zero3": ("mixtral", {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2,
+                                          "expert_parallel_degree": 2, "replica_check_interval": 1}),
+    # one replica: the cp ranks alone make the global batch, and each expert share is sharded over two of them
+    "qwen3_moe-cp4-ep2-zero3-all_to_all": ("qwen3_moe", {"context_parallel_degree": 4, "zero_stage": 3,
+                                                         "context_parallel_mode": "all_to_all",
+                                                         "expert_parallel_degree": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_experts_split_over_the_cp_ranks_train_as_one_process(name):
+    """Expert parallelism borrowing the cp ranks of the sharding group: every loss (with the load-balancing loss
+    over the global batch), every rank's load-balancing loss and every parameter are one process's."""
+    family, config = MOE_CASES[name]
+    want = experts_tests.reference(family)
+    for got in run_distributed(train_moe, 4, family, config, timeout=600):
+        assert got["losses"] == pytest.approx(want["losses"], rel=experts_tests.TOLERANCE)
+        assert got["aux"] == pytest.approx(want["aux"], rel=experts_tests.TOLERANCE)
+        assert got["state"].keys() == want["state"].keys()
+        for key, tensor in want["state"].items():
+            assert relative_error(got["state"][key], tensor) <= experts_tests.TOLERANCE, key
 
 
 def test_a_cp_checkpoint_resumes_at_another_cp_degree(tmp_path):

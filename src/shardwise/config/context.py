@@ -35,7 +35,6 @@ def _not_yet(config: ShardwiseConfig, dp_replicate: int) -> list[tuple[str, obje
         # MiCS's partition groups under a pipeline, where FSDP2's own hybrid sharding reduces across them
         ("sharded_data_parallel_degree", config.sharded_data_parallel_degree,
          config.effective_zero_stage >= 2 and dp_replicate > 1 and config.pipeline_parallel_degree > 1),
-        ("expert_parallel_degree", config.expert_parallel_degree, config.expert_parallel_degree > 1),
         ("zero_hpz_partition_size", config.zero_hpz_partition_size, config.zero_hpz_partition_size > 1),
         ("delayed_parameter_initialization", config.delayed_parameter_initialization,
          config.delayed_parameter_initialization),
@@ -48,6 +47,6 @@ def combination_problems(config: ShardwiseConfig, dp_replicate: int) -> list[Pro
     if cp == 1:
         return []
     return [Problem(key, value, f"does not run with context_parallel_degree {cp} in this release (context "
-                    "parallelism composes with DDP, ZeRO-1/2/3, MiCS outside pipelines, tensor and sequence parallelism, "
-                    "pipelines cut at their blocks, checkpointing and precision)", f"leave {key} at its default, or set context_parallel_degree to 1")
+                    "parallelism composes with DDP, ZeRO-1/2/3, MiCS outside pipelines, tensor, sequence and expert "
+                    "parallelism, pipelines cut at their blocks, checkpointing and precision)", f"leave {key} at its default, or set context_parallel_degree to 1")
             for key, value, used in _not_yet(config, dp_replicate) if used]

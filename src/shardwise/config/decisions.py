@@ -152,8 +152,9 @@ class Decisions:
 
     @property
     def expert_shards(self) -> int:
-        """Ranks ZeRO shards each expert share over: what the sharding group has left beside `ep`."""
-        return self.layout.dp_shard // self.expert_parallel_degree
+        """Ranks ZeRO shards each expert share over: what the sharding group (its cp ranks included) has left
+        beside `ep`."""
+        return self.layout.dp_shard * self.layout.cp // self.expert_parallel_degree
 
     @property
     def context_parallel_degree(self) -> int:

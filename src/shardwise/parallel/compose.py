@@ -180,8 +180,8 @@ def wrap_part(part: nn.Module, *, mesh: ParallelMesh, decisions: Decisions, resh
 def split_experts(module: nn.Module, mesh: ParallelMesh, decisions: Decisions) -> None:
     """Expert parallelism: each experts module of `module` (the model, or what a pipeline rank keeps of it) split
     over `ep`. A model with experts computes its load-balancing loss over the global batch whenever data-parallel
-    ranks split it, as one process would."""
-    data = mesh["rdp"].get_group() if mesh.layout.dp > 1 else None
+    or cp ranks split it (`rdp` spans both), as one process would."""
+    data = mesh["rdp"].get_group() if mesh.layout.dp * mesh.layout.cp > 1 else None
     if not has_experts(module):
         return
     if decisions.expert_parallel:

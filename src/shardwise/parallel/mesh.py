@@ -1,8 +1,8 @@
 """The named mesh every technique receives: the 4-D (pp, dp_replicate, dp_shard, tp) mesh plus
 its two flattened data-parallel views, `rdp` (replicas × partition) and `dp` (rdp × tp, as SMP counts it),
 under ZeRO++ hpZ `hpz`: each sharding group cut into secondary groups of neighbouring ranks, and under expert
-parallelism `ep`, `expert_shard` and `expert_dp`: each sharding group cut into the ranks that split the experts
-and those that shard one share, and the copies of a share over the replicas too.
+parallelism `ep`, `expert_shard` and `expert_dp`: each sharding group (its cp ranks included) cut into the ranks
+that split the experts and those that shard one share, and the copies of a share over the replicas too.
 
 Global ranks sit on the mesh as the layout places them (SMP's placement_strategy),
 so every group the mesh makes holds the ranks `Layout.groups` names."""
@@ -38,10 +38,12 @@ class ParallelMesh:
                                    ("hpz_replicate", "hpz"))
             self._flat["hpz"] = split["hpz_replicate", "hpz"]
         if experts > 1:
-            # dp_shard = expert_shard × ep, ep fastest (neighbouring ranks, as torchtitan splits it): `ep` splits
-            # the experts, `expert_shard` shards one share, (dp_replicate, expert_shard) holds its copies
-            split = unflatten_mesh(self.world, "dp_shard", (layout.dp_shard // experts, experts),
-                                   ("expert_shard", "ep"))
+            # The sharding group (dp_shard, × cp under context parallelism) = expert_shard × ep, ep fastest
+            # (neighbouring ranks, as torchtitan splits dp_shard_cp): `ep` splits the experts, `expert_shard` shards
+            # one share, (dp_replicate, expert_shard) holds its copies. Cut from `rdp`, which spans cp when it is on.
+            shard = layout.dp_shard * layout.cp
+            split = unflatten_mesh(self._flat["rdp"], "rdp", (layout.dp_replicate, shard // experts, experts),
+                                   ("dp_replicate", "expert_shard", "ep"))
             self._flat.update(ep=split["ep"], expert_shard=split["expert_shard"],
                               expert_dp=split["dp_replicate", "expert_shard"])
 

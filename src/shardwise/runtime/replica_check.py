@@ -46,7 +46,7 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
 # Axes inside a pipeline stage, and the flattened axes of ParallelMesh that span several of them.
 _STAGE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 _SPANS = {"rdp": ("dp_replicate", "dp_shard"), "dp": _STAGE_AXES,
-          "ep": ("dp_shard",), "expert_shard": ("dp_shard",)}  # expert parallelism cuts dp_shard in two
+          "ep": ("dp_shard", "cp"), "expert_shard": ("dp_shard", "cp")}  # EP cuts the sharding group in two
 
 # ZeRO under context parallelism shards over the data-parallel and the cp ranks together (torchtitan's dp_shard_cp)
 _SPANS.update(dp_shard_cp=("dp_shard", "cp"))

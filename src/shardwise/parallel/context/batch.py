@@ -4,7 +4,8 @@ The training loop keeps calling `model(input_ids=..., labels=...)` with whole ro
 rank keeps its load-balanced share of `input_ids`, `position_ids` (whole-row positions, restarting per packed
 document) and the document ids attention keeps apart (`shard_batch`); `labels` never reach the model, whose own
 loss would shift them inside a shard. After it, the output's `loss` is `sequence_loss` over the cp group, on next-
-token labels shifted on the whole row, and `logits` stay this rank's share. Called without `labels` (a loop whose
+token labels shifted on the whole row (plus a mixture-of-experts model's weighted load-balancing loss, as its own
+loss from labels adds it), and `logits` stay this rank's share. Called without `labels` (a loop whose
 own loss function reads the logits), the model returns the whole sequence's logits, gathered from the cp ranks:
 every cp rank then computes the same loss, whose gradient reaches each rank's share from all of them (the gather's
 backward sums it), so the gradients averaged over the cp ranks are one process's.
@@ -55,11 +56,18 @@ class SequenceSplit:
         if not self.ends_model:  # a pipeline stage before the last: what it sends on is its last block's output
             return output
         if self.labels is not None:
-            output["loss"] = sequence_loss(output["logits"], self.labels, self.group)
+            output["loss"] = sequence_loss(output["logits"], self.labels, self.group) + router_loss(module, output)
             self.labels = None
         else:
             output["logits"] = gather_sequence(output["logits"], self.group)
         return output
+
+
+def router_loss(model: nn.Module, output: Any) -> torch.Tensor | float:
+    """What a mixture-of-experts model adds to its loss from labels, which it never sees here: its router's
+    load-balancing loss (`aux_loss`, present when it outputs router logits) weighted by `router_aux_loss_coef`."""
+    aux, weight = output.get("aux_loss"), getattr(model, "router_aux_loss_coef", None)
+    return weight * aux if isinstance(aux, torch.Tensor) and weight is not None else 0.0
 
 
 def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Where context parallelism meets a model: Hugging Face attention, and a hook for a user's own module.
 
-Hugging Face Llama, Mistral, Qwen2 and GPT-2 call their attention through transformers' attention registry with
-the module, queries, keys and values (rotary positions already applied from the sharded `position_ids`), so
-registering one function there splits them all. A user's module does the same by calling `attention(self, q, k, v)`
-in place of `F.scaled_dot_product_attention` and marking its class with `@context_parallel_attention`: outside
-context parallelism it is plain SDPA.
+Hugging Face Llama, Mistral, Qwen2, GPT-2 and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE call
+their attention through transformers' attention registry with the module, queries, keys and values (rotary
+positions already applied from the sharded `position_ids`), so registering one function there splits them all. A
+user's module does the same by calling `attention(self, q, k, v)` in place of `F.scaled_dot_product_attention` and
+marking its class with `@context_parallel_attention`: outside context parallelism it is plain SDPA.
 
     @context_parallel_attention
     class MyAttention(nn.Module):
@@ -27,7 +27,8 @@ from shardwise.parallel.context import documents as docs
 from shardwise.parallel.context.all_to_all import all_to_all_attention
 from shardwise.parallel.context.ring import ring_attention
 
-HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+# Each calls its attention through transformers' registry, from a module with `layer_idx` and `is_causal`
+HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 REGISTRY_NAME = "shardwise_context_parallel"
 _SETTINGS = "context_parallel"  # the attribute each split attention module carries
 _USER_CLASSES: set[type] = set()
@@ -69,11 +70,19 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 
 def _hugging_face_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                            document_ids: torch.Tensor | None = None, **_: object) -> tuple[torch.Tensor, None]:
+                            document_ids: torch.Tensor | None = None, sliding_window: int | None = None,
+                            **_: object) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; the model's own mask is for local positions and is not used."""
     if dropout:
         raise ValueError(f"attention dropout {dropout} under context parallelism: set the model's attention "
                          "dropout to 0 (each rank would drop different weights than one process)")
+    settings: ContextSettings | None = getattr(module, _SETTINGS, None)
+    window = sliding_window or getattr(module, "sliding_window", None)
+    whole = query.shape[2] * (dist.get_world_size(settings.group) if settings else 1)
+    if window and window < whole:  # a window as long as the sequence or longer masks nothing
+        raise ValueError(f"sliding-window attention of {window} tokens under context parallelism, which attends over "
+                         f"the whole {whole}-token sequence: set the model's sliding_window to None (or at least the "
+                         "sequence length), or context_parallel_degree to 1")
     out = attention(module, query, key, value, scale=scaling, causal=getattr(module, "is_causal", True),
                     documents=document_ids)
     return out.transpose(1, 2), None  # transformers expects (batch, seq, heads, dim)
