@@ -3,6 +3,7 @@ replaced by the results a launch would give (measured or failed), so each rule i
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from shardwise.planner import cluster_preset, resolve_model
 from shardwise.tune import TrialResult, TuneSettings, candidates, tune
 from shardwise.tune import tuner
 from shardwise.tune.bound import cannot_win
+from shardwise.tune.results import write_results
 from shardwise.tune.measure import Measurement
 
 
@@ -107,6 +109,8 @@ def test_the_planners_bound_stops_when_no_remaining_candidate_can_win(monkeypatc
     assert calls == ["trial1", "trial2"] and result.best["trial"] == 1
     assert result.stopped.startswith("the 2 remaining candidates cannot beat trial 1 by the planner's bound")
     assert "measured/predicted 2 and a 10% margin is 0.54 s/step, the measured best 0.2 s/step" in result.stopped
+    write_results(result, TuneSettings(script="x.py", metric="latency", results=tmp_path))
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == result.stopped
 
 
 def test_the_bound_lets_a_candidate_run_while_its_best_case_can_win(monkeypatch, tmp_path, chosen):
