@@ -1,6 +1,7 @@
 """shardwise tune: trials of a tiny script on 2 CPU ranks through real launches, each failure kind caught and
-named while the next trial runs, the best config accepted as `shardwise run` validates it; the accuracy figures
-and the step limit's input on their own."""
+named while the next trial runs; `shardwise run --autotuning run` on 4 ranks, its best config accepted as `shardwise
+run` validates it and then trained with; the accuracy figures, the step limit's input and what --autotuning
+refuses on their own."""
 
 from __future__ import annotations
 
@@ -107,23 +108,6 @@ def test_a_hanging_trial_is_stopped_at_its_deadline(tmp_path):
     assert result.exit_code is not None  # the launch ended (stopped), it was not left running
 
 
-def test_cli_writes_the_best_config_run_accepts(tiny, capsys):
-    code = main(["tune", "--model", "tiny_tune:build", "--input-shape", "16", "--nproc-per-node", "2", "--trials",
-                 "1", "--steps", "2", "--results", "out", "tiny_tune.py"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    rows = [json.loads(line) for line in (tiny / "out" / "trials.jsonl").read_text().splitlines()]
-    assert len(rows) == 1 and rows[0]["failure"] is None and rows[0]["plan_rank"] == 1
-    best = load_dict(str(tiny / "out" / "best_config.json"))  # as `shardwise run --config` reads it
-    assert best == rows[0]["config"]
-    validate(best, Cluster(nodes=1, devices_per_node=2))
-    assert (tiny / "out" / "best_cmd.txt").read_text().startswith("shardwise run --nproc-per-node 2 --config ")
-    assert "regret of its pick 1.00" in out and "best (throughput): trial 1" in out
-    assert 'alt="predicted and measured"' in (tiny / "out" / "tune_report.html").read_text()
-    assert main(["tune", "--model", "tiny_tune:build", "--input-shape", "16", "--results", "out", "x.py"]) == 2
-    assert "trials.jsonl exists" in capsys.readouterr().err
-
-
 def test_failure_kinds_from_what_the_launch_said():
     assert classify(2, "shardwise run: sharded_data_parallel_degree=3 ...", "")[0] == "refused"
     assert classify(1, "", "shardwise.errors.ConfigError: bad key")[0] == "refused"
@@ -220,12 +204,21 @@ def test_run_autotuning_run_tunes_then_trains_with_the_best_config(tmp_path, mon
                  "--steps", "3", "--deepspeed", "--deepspeed_config", "ds.json"])
     out = capsys.readouterr().out
     assert code == 0, out
-    rows = [json.loads(line) for line in (tmp_path / "tuned" / "trials.jsonl").read_text().splitlines()]
+    tuned = tmp_path / "tuned"
+    rows = [json.loads(line) for line in (tuned / "trials.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["failure"] is None and rows[0]["measured_steps"] == 1
-    best = json.loads((tmp_path / "tuned" / "best_config.json").read_text())
+    assert rows[0]["plan_rank"] == 1 and set(rows[0]["peak_memory_bytes"]) == {"0", "1", "2", "3"}
+    best = load_dict(str(tuned / "best_config.json"))  # as `shardwise run --config` reads it
+    assert best == rows[0]["config"]
+    validate(best, Cluster(nodes=1, devices_per_node=4))
+    assert (tuned / "best_cmd.txt").read_text().startswith("shardwise run --nproc-per-node 4 --config ")
+    assert "regret of its pick 1.00" in out and "best (throughput): trial 1" in out
+    assert 'alt="predicted and measured"' in (tuned / "tune_report.html").read_text()
     trained = json.loads((tmp_path / "trained.json").read_text())
     assert trained["steps"] == 3 and all(trained["config"].get(k) == v for k, v in best.items())
     assert "shardwise tune: running the best config: shardwise run --nproc-per-node 4 --config" in out
+    assert main(["tune", "--model", "tiny_auto:build", "--results", "tuned", "x.py"]) == 2
+    assert "trials.jsonl exists" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, says", [
