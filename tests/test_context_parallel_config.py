@@ -64,6 +64,8 @@ def test_what_cp_does_not_run_with_yet_is_named():
     assert _layout(Cluster(1, 8), context_parallel_degree=2, tensor_parallel_degree=2)[2] == []
     assert _layout(Cluster(1, 8), context_parallel_degree=2, pipeline_parallel_degree=2)[2] == []
     assert _layout(Cluster(1, 8), context_parallel_degree=2, sharded_data_parallel_degree=2)[2] == []  # MiCS
+    assert _layout(Cluster(1, 8), context_parallel_degree=2, sharded_data_parallel_degree=2,
+                   delayed_parameter_initialization=True)[2] == []
     _, _, problems = _layout(Cluster(1, 16), context_parallel_degree=2, sharded_data_parallel_degree=2,
                              pipeline_parallel_degree=2)
     assert [p.path for p in problems] == ["sharded_data_parallel_degree"]  # MiCS by FSDP2's hybrid sharding
@@ -87,6 +89,20 @@ def test_a_model_whose_attention_cannot_be_split_is_named():
         "context parallelism cannot split the attention of model Sequential: it splits Hugging Face gpt2, llama, "
         "mistral, qwen2, mixtral, qwen2_moe, qwen3_moe, olmoe attention, and a module class marked "
         "@context_parallel_attention whose forward calls shardwise.parallel.context.attention")
+
+
+def test_hpz_secondary_groups_cut_the_sharding_group_with_its_cp_ranks():
+    config, layout, problems = _layout(Cluster(1, 4), context_parallel_degree=2, zero_stage=3,
+                                       zero_hpz_partition_size=2)
+    assert not problems and (layout.dp_shard, layout.cp) == (2, 2)
+    assert Decisions(config, layout).secondary_partition == 2  # of dp_shard 2 × cp 2 (of dp_shard alone: plain ZeRO-3)
+    _, _, problems = _layout(Cluster(1, 4), context_parallel_degree=2, zero_stage=3, zero_hpz_partition_size=3)
+    assert [str(p) for p in problems] == [
+        "zero_hpz_partition_size=3: must divide the sharding group's 4 ranks (sharded_data_parallel_degree, or the "
+        "whole data-parallel group without it): each secondary group is part of one sharding group; fix: use a "
+        "divisor of 4: 1, 2, 4",
+        "zero_hpz_partition_size=3: must divide the 4 ranks per node: backward's all-gathers run inside a secondary "
+        "group, which stays inside a node; fix: use a divisor of 4: 1, 2, 4"]
 
 
 def test_a_sliding_window_shorter_than_the_sequence_is_refused():

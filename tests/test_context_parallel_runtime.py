@@ -2,10 +2,13 @@
 `@sw.step` and `DistributedOptimizer`, with the training loop of one process unchanged: whole rows into
 `model(input_ids=..., labels=...)`, or into `model(input_ids)` with the loop's own loss over the logits.
 
-On 4 gloo ranks, CP 2 beside two data-parallel replicas under DDP, ZeRO-1, ZeRO-2 (all-to-all) and ZeRO-3, and
-CP 4 alone and under ZeRO-3 with every block recomputed, CP 2 × TP 2 (ring; all-to-all with sequence
-parallelism under ZeRO-3) and CP 2 × PP 2 (ring with the model's loss; all-to-all with the loop's own), Hugging Face Llama and GPT-2 train 3 SGD steps (packed documents in some cases):
-losses and every parameter match one process that averages each replica's loss as data parallelism does.
+On 4 gloo ranks, CP 2 beside two data-parallel replicas under DDP, ZeRO-1, ZeRO-2 (all-to-all) and ZeRO-3 (also
+built with delayed initialisation, and with ZeRO++ hpZ), and CP 4 alone and under ZeRO-3 with every block
+recomputed, CP 2 × TP 2 (ring; all-to-all with sequence parallelism under ZeRO-3) and CP 2 × PP 2 (ring with the
+model's loss; all-to-all with the loop's own), Hugging Face Llama and GPT-2 train 3 SGD steps (packed documents in
+some cases): losses and every parameter match one process that averages each replica's loss as data parallelism
+does. Mixture-of-experts Mixtral and Qwen3-MoE with their experts split over ranks the cp axis lends (EP × CP) train
+on their own loss from labels, load-balancing loss included, as one process.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.parallel.materialize import materialize
 from shardwise.testing import run_distributed
 import test_expert_parallel as experts_tests
 from test_context_parallel import POSITIONS, SEQ, VOCAB, tiny
@@ -32,11 +36,23 @@ def _batch(step: int, rows: int, packed: bool) -> dict:
     return {"input_ids": ids, "labels": labels, "position_ids": POSITIONS[packed][:1].expand(rows, -1)}
 
 
-def _reference(kind: str, replicas: list[int], packed: bool, tp: int = 1) -> tuple[torch.nn.Module, list[float]]:
+def _built(kind: str, delayed: bool = False) -> torch.nn.Module:
+    """The tiny model from seed 0: built whole, or (`delayed`) on the meta device, as one process then materialises
+    it whole and delayed initialisation does unit by unit."""
+    torch.manual_seed(0)
+    if not delayed:
+        return tiny(kind)
+    with torch.device("meta"):
+        model = tiny(kind)
+    materialize(model, torch.device("cpu"), torch.initial_seed())
+    return model
+
+
+def _reference(kind: str, replicas: list[int], packed: bool, tp: int = 1,
+               delayed: bool = False) -> tuple[torch.nn.Module, list[float]]:
     """One process over the same global batches, step s of `replicas[s]` replicas of `tp` rows each (a tensor-
     parallel group's rows are one batch), averaging the replicas' losses as data parallelism does."""
-    torch.manual_seed(0)
-    reference = tiny(kind)
+    reference = _built(kind, delayed)
     optimizer, losses = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), []
     for step, count in enumerate(replicas):
         batch = _batch(step, count * tp, packed)
@@ -50,11 +66,19 @@ def _reference(kind: str, replicas: list[int], packed: bool, tp: int = 1) -> tup
 
 
 def train_kind(kind: str, packed: bool, checkpoint: bool, steps: range = range(STEPS), earlier: tuple = (),
-               save: str | None = None, resume: str | None = None, own_loss: bool = False) -> float:
-    """Train `steps` (after `earlier` steps' replica counts, resumed from `resume`); the largest difference from
-    one process in a loss or a parameter."""
+               save: str | None = None, resume: str | None = None, own_loss: bool = False,
+               delayed: bool = False) -> float:
+    """Train `steps` (after `earlier` steps' replica counts, resumed from `resume`; built on the meta device when
+    `delayed`); the largest difference from one process in a loss or a parameter."""
     torch.manual_seed(0)
-    model = sw.DistributedModel(tiny(kind))
+    if delayed:
+        with sw.delay_param_initialization():
+            module = tiny(kind)
+    else:
+        module = tiny(kind)
+    model = sw.DistributedModel(module)
+    # the attention is split (a model left whole on every cp rank would train the same math too)
+    assert any(hasattr(m, "context_parallel") for m in model.get_module().modules()), "attention not split over cp"
     if checkpoint:
         for block in (model.get_module().transformer.h if kind == "gpt2" else model.get_module().model.layers):
             sw.set_activation_checkpointing(block)
@@ -73,7 +97,7 @@ def train_kind(kind: str, packed: bool, checkpoint: bool, steps: range = range(S
         return loss
 
     replicas, tp = sw.rdp_size(), sw.tp_size()  # each tensor-parallel rank brings its own row (SMP's dp rank)
-    reference, want = _reference(kind, [*earlier, *[replicas] * len(steps)], packed, tp)
+    reference, want = _reference(kind, [*earlier, *[replicas] * len(steps)], packed, tp, delayed)
     errors = []
     for step in steps:
         batch = _batch(step, replicas * tp, packed)
@@ -92,7 +116,8 @@ def train_kind(kind: str, packed: bool, checkpoint: bool, steps: range = range(S
 
 def train_all(config: dict, kinds: tuple, packed: bool = False, checkpoint: bool = False, **resuming) -> dict:
     sw.init(config)
-    return {kind: train_kind(kind, packed, checkpoint, **resuming) for kind in kinds}
+    delayed = config.get("delayed_parameter_initialization", False)
+    return {kind: train_kind(kind, packed, checkpoint, delayed=delayed, **resuming) for kind in kinds}
 
 
 CASES = {
@@ -104,6 +129,11 @@ CASES = {
     "cp4": ({"context_parallel_degree": 4}, False, False),
     "cp2-zero3-own-loss": ({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}, True, False),
     "cp4-zero3-checkpointing": ({"context_parallel_degree": 4, "zero_stage": 3}, True, True),
+    # built on the meta device, each block materialised right before it is sharded over dp_shard × cp
+    "cp2-zero3-delayed": ({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2,
+                           "delayed_parameter_initialization": True}, False, False),
+    # ZeRO++ hpZ: secondary groups of 2 cut the sharding group of dp_shard 2 × cp 2
+    "cp2-zero3-hpz2": ({"context_parallel_degree": 2, "zero_stage": 3, "zero_hpz_partition_size": 2}, False, False),
     "cp2-tp2": ({"context_parallel_degree": 2, "tensor_parallel_degree": 2}, True, False),
     "cp2-tp2-sp-zero3-all_to_all": ({"context_parallel_degree": 2, "tensor_parallel_degree": 2,
                                       "context_parallel_mode": "all_to_all", "sequence_parallel": True,

@@ -35,9 +35,6 @@ def _not_yet(config: ShardwiseConfig, dp_replicate: int) -> list[tuple[str, obje
         # MiCS's partition groups under a pipeline, where FSDP2's own hybrid sharding reduces across them
         ("sharded_data_parallel_degree", config.sharded_data_parallel_degree,
          config.effective_zero_stage >= 2 and dp_replicate > 1 and config.pipeline_parallel_degree > 1),
-        ("zero_hpz_partition_size", config.zero_hpz_partition_size, config.zero_hpz_partition_size > 1),
-        ("delayed_parameter_initialization", config.delayed_parameter_initialization,
-         config.delayed_parameter_initialization),
     ]
 
 

@@ -114,11 +114,11 @@ class Decisions:
     def secondary_partition(self) -> int:
         """ZeRO++ hpZ: how many ranks a ZeRO-3 unit's parameters stay sharded over between its forward and its
         backward (FSDP2's `reshard_after_forward=<int>`), or 0 where they are re-sharded over the whole sharding
-        group as plain ZeRO-3 does. A secondary group as large as the sharding group or larger is that same plain
-        ZeRO-3 (DeepSpeed clamps the size to the world)."""
+        group as plain ZeRO-3 does. A secondary group as large as the sharding group (dp_shard × cp) or larger is
+        that same plain ZeRO-3 (DeepSpeed clamps the size to the world)."""
         size = self.config.zero_hpz_partition_size
         sharded = self.wrapping() is Wrapping.SHARDED and self.zero_stage == 3
-        return size if sharded and 1 < size < self.layout.dp_shard else 0
+        return size if sharded and 1 < size < self.layout.dp_shard * self.layout.cp else 0
 
     def reshard_after_forward(self, split_backward: bool = False) -> bool | int:
         """FSDP2's `reshard_after_forward` for a unit: ZeRO-3 re-shards after forward (under hpZ only down to its

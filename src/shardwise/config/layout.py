@@ -74,7 +74,7 @@ def _hpz_problems(config: ShardwiseConfig, layout: Layout, cluster: Cluster) -> 
     ranks are consecutive, so a size that divides the ranks per node keeps every secondary group on one node. A
     size of the whole sharding group or more is plain ZeRO-3, as DeepSpeed clamps it to the world: a DeepSpeed
     config made for large nodes still runs on a small machine or in one process."""
-    size, shard = config.zero_hpz_partition_size, layout.dp_shard
+    size, shard = config.zero_hpz_partition_size, layout.dp_shard * layout.cp  # ZeRO shards over the cp ranks too
     if size == 1 or config.effective_zero_stage != 3 or size >= shard:
         return []  # off, refused without ZeRO-3 already, or plain ZeRO-3
     problems = []

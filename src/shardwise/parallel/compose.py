@@ -74,7 +74,10 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
     if decisions.pipelining:  # cuts the model into stages, then the same steps per stage
         return apply_pipeline(module, mesh, pipeline_settings(decisions), tp_plan, split, wrap, zero1)
     if decisions.materialises_per_unit(has_meta(module)):
-        # delayed initialisation under ZeRO-2/3 and MiCS: each unit is materialised just before it is sharded
+        # delayed initialisation under ZeRO-2/3 and MiCS: each unit is materialised just before it is sharded. No
+        # tensor or expert parallelism here, so what `split` installs (context parallelism's attention and hooks, the
+        # global load-balancing loss) needs no weights.
+        split(module, [module], tp_plan)
         return wrap(module, before_shard=unit_materialiser(module, mesh))
     place(module, mesh)
     split(module, [module], tp_plan)

@@ -33,9 +33,11 @@ class ParallelMesh:
         if layout.cp > 1:
             self._flat["dp_shard_cp"] = flatten_mesh(self.world["dp_shard", "cp"], "dp_shard_cp")
         if secondary:
-            # (hpz_replicate, hpz): every rank makes every secondary group here, once, in the same order
-            split = unflatten_mesh(self.world, "dp_shard", (layout.dp_shard // secondary, secondary),
-                                   ("hpz_replicate", "hpz"))
+            # (hpz_replicate, hpz): every rank makes every secondary group here, once, in the same order; they cut
+            # the sharding group, which spans the cp ranks under context parallelism
+            sharding = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+            split = unflatten_mesh(self._flat.get(sharding, self.world), sharding,
+                                   (layout.dp_shard * layout.cp // secondary, secondary), ("hpz_replicate", "hpz"))
             self._flat["hpz"] = split["hpz_replicate", "hpz"]
         if experts > 1:
             # The sharding group (dp_shard, × cp under context parallelism) = expert_shard × ep, ep fastest
