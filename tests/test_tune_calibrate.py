@@ -137,6 +137,9 @@ def test_tune_calibrate_fits_the_trials_it_ran(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "calibration: mean |error|" in out and (tmp_path / "out" / "cluster.json").is_file()
+    if (tmp_path / "out" / "tune_report.html").is_file():  # with matplotlib
+        page = (tmp_path / "out" / "tune_report.html").read_text()
+        assert "<h2>Calibration</h2>" in page and page.count('<tr><td class="n">') == 12  # 6 trials, 6 calibrated
     assert planning_inputs(tmp_path / "out")["global_batch"] == 32
     cluster_file = str(tmp_path / "out" / "cluster.json")
     assert main(["tune", "--model", PLANNING["model"], "--seq", "64", "--global-batch", "32", "--nproc-per-node",

@@ -176,17 +176,20 @@ def run(args: argparse.Namespace) -> int:
     result = tune(chosen, settings, on_trial=report)
     best_path = write_results(result, settings)
     print_results(result, settings, best_path)
+    calibrated = None
+    if args.calibrate:
+        try:
+            fitted, path, held = calibrate_results(results, settings.planning)
+            print_calibration(fitted, path, held)
+            calibrated = fitted, path
+        except ValueError as err:  # nothing measured that the planner predicts
+            print(f"shardwise tune: no calibration: {err}", file=sys.stderr)
     try:
         from ..tune.report import write_tune_report  # matplotlib (optional) loads only here
 
-        print(f"shardwise tune: report: {write_tune_report(result, settings)}")
+        print(f"shardwise tune: report: {write_tune_report(result, settings, calibrated)}")
     except ImportError as err:
         print(f"shardwise tune: no tune_report.html: {err}", file=sys.stderr)
-    if args.calibrate:
-        try:
-            print_calibration(*calibrate_results(results, settings.planning))
-        except ValueError as err:  # nothing measured that the planner predicts
-            print(f"shardwise tune: no calibration: {err}", file=sys.stderr)
     if best_path is None:
         return 1
     if args.run_after:

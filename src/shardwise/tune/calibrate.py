@@ -101,13 +101,10 @@ class _Model:
 
         return {name: scaled(self.base[name], t) for name, t in zip(CONSTANTS, theta)}
 
-    def cluster_at(self, theta: Sequence[float]) -> ClusterSpec:
-        return with_values(self.cluster, self.values(theta))
-
-    def predict(self, theta: Sequence[float], trials: Optional[Sequence[Trial]] = None) -> list[float]:
-        cluster = self.cluster_at(theta)
+    def predict(self, theta: Sequence[float]) -> list[float]:
+        cluster = with_values(self.cluster, self.values(theta))
         return [evaluate(self.spec, cluster, t.config, global_batch=self.global_batch, seq=self.seq,
-                         checkpointing=self.checkpointing).step_time for t in (trials or self.trials)]
+                         checkpointing=self.checkpointing).step_time for t in self.trials]
 
     def loss(self, theta: Sequence[float]) -> float:
         logs = [math.log(p / t.measured_step_time_s) for p, t in zip(self.predict(theta), self.trials)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jinja2
 from markupsafe import Markup
@@ -32,6 +32,12 @@ _TEMPLATE = """<!DOCTYPE html>
 {% endfor %}</table>
 {% if failures %}<h2>Failures</h2><table>{% for trial, kind, message in failures %}
 <tr><td>trial {{ trial }}</td><td>{{ kind }}</td><td>{{ message }}</td></tr>{% endfor %}</table>{% endif %}
+{% if calibration %}<h2>Calibration</h2>
+<p>The planner's cluster constants fitted to these trials (cluster file {{ calibration.path }}): {{ calibration.scales }}.
+Mean |error| of step time {{ calibration.before }} before, {{ calibration.after }} after.</p>
+<table><tr><th>trial</th><th>measured s</th><th>predicted s before</th><th>error</th><th>after</th><th>error</th></tr>
+{% for row in calibration.rows %}<tr>{% for cell in row %}<td class="n">{{ cell }}</td>{% endfor %}</tr>
+{% endfor %}</table>{% endif %}
 <h2>Best config</h2>
 <pre>{{ best }}</pre>
 </body></html>
@@ -64,7 +70,21 @@ def _figure(rows: Sequence[dict[str, Any]]):
     return fig
 
 
-def render(result: TuneResult, settings: TuneSettings) -> str:
+def _calibration(calibrated) -> Optional[dict[str, Any]]:
+    """The calibration section's cells from (Calibration, cluster file path), or None."""
+    if calibrated is None:
+        return None
+    fitted, path = calibrated
+    s = fitted.summary()
+    rows = [[str(n), f"{m:.4f}", f"{b:.4f}", f"{b / m - 1:+.0%}", f"{a:.4f}", f"{a / m - 1:+.0%}"]
+            for n, m, b, a in zip(fitted.trials, fitted.measured, fitted.before, fitted.after)]
+    return {"path": str(path), "rows": rows, "before": number(s["mean_abs_error_before"], ".0%"),
+            "after": number(s["mean_abs_error_after"], ".0%"),
+            "scales": ", ".join(f"{k} ×{v:.3g}" for k, v in fitted.scales.items())}
+
+
+def render(result: TuneResult, settings: TuneSettings, calibrated=None) -> str:
+    """The page; `calibrated` is (Calibration, cluster file path) when the trials were calibrated."""
     a = result.accuracy
     summary = [("script", " ".join([settings.script, *settings.script_args])),
                ("ranks", str(settings.nproc)), ("metric", settings.metric),
@@ -82,10 +102,11 @@ def render(result: TuneResult, settings: TuneSettings) -> str:
         plot=png_data(figure) if figure is not None else None, columns=COLUMNS,
         rows=[cells(r, result.best) for r in result.rows],
         failures=[(r["trial"], r["failure"], r["message"]) for r in result.rows if r["failure"]],
-        best=json.dumps(result.best["config"], indent=2) if result.best else "(no trial was measured)")
+        best=json.dumps(result.best["config"], indent=2) if result.best else "(no trial was measured)",
+        calibration=_calibration(calibrated))
 
 
-def write_tune_report(result: TuneResult, settings: TuneSettings) -> Path:
+def write_tune_report(result: TuneResult, settings: TuneSettings, calibrated=None) -> Path:
     path = settings.results / REPORT_FILE
-    path.write_text(render(result, settings), encoding="utf-8")
+    path.write_text(render(result, settings, calibrated), encoding="utf-8")
     return path
