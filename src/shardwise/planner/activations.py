@@ -210,12 +210,19 @@ def logits_bytes(spec: ModelSpec, numerics: Numerics) -> float:
 class ActivationMemory:
     device: float      # bytes kept on the device at the peak
     host: float = 0.0  # bytes offloaded to host memory
+    backward_room: float = 0.0  # of `device`, what is free while the blocks run backward (the head's tensors
+                                # beyond a recomputed region): room for a block's transient buffers
 
 
 def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: Numerics, tp: int, pp: int,
                      in_flight: int, checkpointing: str, offload: bool = False, loading_horizon: int = 4,
-                     kernels: Kernels = Kernels(), sequence_parallel: bool = False) -> ActivationMemory:
+                     kernels: Kernels = Kernels(), sequence_parallel: bool = False,
+                     context_parallel: int = 1) -> ActivationMemory:
     """Peak activation bytes on the busiest pipeline stage.
+
+    Context parallelism of degree `context_parallel` leaves a rank 1/n of each sequence's tokens: everything
+    per token divides by n, the attention of each still reaching the whole sequence (`kernels`: what it keeps,
+    context.py's `saved_kernels`).
 
     Stage 0 keeps `in_flight` microbatches (1F1B, capped by active_microbatches); the
     last stage keeps one. Checkpointing keeps each region's input (with sequence
@@ -227,7 +234,7 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     copies count once (only pipelines overlap microbatches, and they do not
     autocast), for the blocks only while their region is recomputed.
     """
-    tokens = micro_batch * seq
+    tokens = micro_batch * seq / context_parallel
     if spec.graph_stages(pp):
         return _graph_stage_activations(spec, tokens, numerics, pp, in_flight, checkpointing)
     block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel) * tokens
@@ -251,7 +258,7 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     first, last = edge_activations(spec, numerics, kernels)
     first, last = first * tokens, (last + logits_bytes(spec, numerics) / tp) * tokens
     if pp == 1:
-        return ActivationMemory(stored + first + max(last, recompute) + copies, host)
+        return ActivationMemory(stored + first + max(last, recompute) + copies, host, max(0.0, last - recompute))
     busiest = max(in_flight * (stored + first) + recompute, stored + max(last, recompute)) + copies
     return ActivationMemory(busiest, in_flight * host)
 

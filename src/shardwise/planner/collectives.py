@@ -43,13 +43,13 @@ class GroupShape:
 @lru_cache(maxsize=4096)
 def group_shape(layout: Layout, devices_per_node: int, axes: tuple[str, ...], within: int = 0) -> GroupShape:
     """Shape of the groups along `axes` (all groups of a layout have the same shape), ranks placed as the
-    layout's placement order places them; with `within`, of the groups of that many neighbours along the one
-    axis (ZeRO++ hpZ's secondary groups inside a sharding group)."""
+    layout's placement order places them; with `within`, of the groups of that many neighbours in the group the
+    axes make together, the last fastest (ZeRO++ hpZ's secondary groups inside a sharding group, its cp ranks
+    included under context parallelism)."""
     strides = layout.strides()
     ranks = [sum(i * strides[a] for a, i in zip(axes, idx))
              for idx in product(*(range(getattr(layout, a)) for a in axes))]
     if within:
-        assert len(axes) == 1, "secondary groups split one axis"
         ranks = ranks[:within]
     nodes = len({r // devices_per_node for r in ranks})
     return GroupShape(len(ranks), len(ranks) // nodes, nodes)

@@ -26,7 +26,7 @@ from ..config.decisions import Decisions
 from ..config.schema import ShardwiseConfig
 from ..topology import Layout
 from . import assumptions as A
-from . import experts
+from . import context, experts
 from .activations import rank_activations
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
@@ -125,6 +125,8 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     memory is the host's, where the runtime keeps them where they are.
     """
     kernels = device.kernels if device else Kernels()
+    decisions = Decisions(config, layout)
+    cp, mode = decisions.context_parallel_degree, decisions.context_parallel_mode
     states = model_state_bytes(spec.stage_parameters(layout.pp) / layout.tp, config, layout,
                                optimizer_share(spec, config, layout), gradient_fraction(spec, config, layout))
     on_host = host_states(config, device)
@@ -135,9 +137,12 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     acts = rank_activations(spec, seq=seq, micro_batch=micro_batch, numerics=numerics(config, layout),
                             tp=layout.tp, pp=layout.pp, in_flight=in_flight_microbatches(config, layout),
                             checkpointing=checkpointing, offload=config.offload_activations and moves_to_host(device),
-                            loading_horizon=config.activation_loading_horizon, kernels=kernels,
-                            sequence_parallel=config.sequence_parallel)
-    buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq)
+                            loading_horizon=config.activation_loading_horizon,
+                            kernels=context.saved_kernels(mode, kernels) if decisions.context_parallel else kernels,
+                            sequence_parallel=config.sequence_parallel, context_parallel=cp)
+    # context parallelism's exchange runs inside each block's backward, after the head's tensors are freed
+    exchange = context_buffer_bytes(spec, config, layout, micro_batch, seq, device)
+    buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq) + max(0.0, exchange - acts.backward_room)
     accounted = sum(states.values()) + gathered + acts.device + buffers
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0,
@@ -146,6 +151,20 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
                            step_temporaries=step_temporaries(spec, config, layout, device,
                                                              acts.device + _freed_by_backward(spec, config, layout,
                                                                                               buffers, states)))
+
+
+def context_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
+                         device: Optional[DeviceSpec] = None) -> float:
+    """What context parallelism's exchange holds at once beyond the activations, in one layer's backward
+    (context.py's `held_bytes`); 0 without it. Only what exceeds the room the head's freed tensors leave adds to
+    the peak (`predict_memory`)."""
+    decisions = Decisions(config, layout)
+    if not decisions.context_parallel:
+        return 0.0
+    shape = context.layer_shape(spec.heads, spec.kv_heads, spec.hidden // spec.heads, layout.tp, micro_batch, seq,
+                                compute_bytes(config))
+    fused = context.fused_ring_blocks(device.memory_is_host) if device else False
+    return context.held_bytes(decisions.context_parallel_mode, decisions.context_parallel_degree, shape, fused)
 
 
 def _freed_by_backward(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, buffers: float,

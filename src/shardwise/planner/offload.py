@@ -25,7 +25,7 @@ from ..topology import Layout
 from .activations import region_blocks
 from .hardware import DeviceSpec
 from .spec import ModelSpec
-from .wrapping import FP32_BYTES, compute_bytes, fully_sharded, optimizer_share, stored_bytes
+from .wrapping import FP32_BYTES, compute_bytes, fully_sharded, optimizer_share, sharding_ranks, stored_bytes
 
 
 class Transfers(NamedTuple):
@@ -57,7 +57,7 @@ def state_transfers(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, de
         return Transfers(0.0, 0.0)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
     if fully_sharded(config):
-        shard = FP32_BYTES * config.microbatches * rank_params / layout.dp_shard
+        shard = FP32_BYTES * config.microbatches * rank_params / sharding_ranks(layout)
         gathers = 2 if config.effective_zero_stage == 3 else 1
         return Transfers(to_device=gathers * shard, to_host=shard)
     share = rank_params * optimizer_share(spec, config, layout)
@@ -67,10 +67,11 @@ def state_transfers(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, de
 def activation_transfers(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
                          checkpointing: str, device: Optional[DeviceSpec]) -> Transfers:
     """Bytes the busiest stage moves per step for offloaded activations: every region's kept input (the block
-    input of `micro_batch` × `seq` tokens) out in forward and back in backward, every microbatch."""
+    input of `micro_batch` × `seq` tokens, the rank's 1/cp of them under context parallelism) out in forward and
+    back in backward, every microbatch."""
     group = region_blocks(checkpointing, spec.stage_layers(layout.pp))
     if not (config.offload_activations and group and moves_to_host(device)):
         return Transfers(0.0, 0.0)
     regions = config.microbatches * -(-spec.stage_layers(layout.pp) // group)
-    kept = regions * micro_batch * seq * spec.hidden * compute_bytes(config)
+    kept = regions * micro_batch * seq / layout.cp * spec.hidden * compute_bytes(config)
     return Transfers(to_device=kept, to_host=kept)

@@ -15,6 +15,7 @@ from ..config.recompute import split_policy
 from .errors import PlanError
 from .hardware import GiB
 from .search import Evaluation, Plan
+from .wrapping import sharding_ranks
 
 _MEMORY_COLUMNS = ("parameters", "gradients", "optimizer", "activations", "other", "total")
 
@@ -22,12 +23,12 @@ _MEMORY_COLUMNS = ("parameters", "gradients", "optimizer", "activations", "other
 def strategy(e: Evaluation) -> str:
     """Short name of the data-parallel strategy: DDP, ZeRO-k, or MiCS (ZeRO-k in groups of g)."""
     layout, stage = e.layout, e.zero_stage
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:  # cp ranks reduce gradients (and shard) as replicas do
         return "-"
     if stage == 0:
         return "DDP"
     if stage >= 2 and layout.dp_replicate > 1:
-        return f"MiCS ZeRO-{stage}/{layout.dp_shard}"
+        return f"MiCS ZeRO-{stage}/{sharding_ranks(layout)}"  # partition groups span the cp ranks
     return f"ZeRO-{stage}"
 
 
@@ -53,6 +54,13 @@ def _tensor_parallel(e: Evaluation) -> str:
     return f"{e.layout.tp}" + (" sp" if e.config.get("sequence_parallel") else "")
 
 
+def _context_parallel(e: Evaluation) -> str:
+    """The context-parallel degree and its mode (`a2a`: all-to-all); `-` without it."""
+    if e.layout.cp == 1:
+        return "-"
+    return f"{e.layout.cp} " + ("a2a" if e.config.get("context_parallel_mode") == "all_to_all" else "ring")
+
+
 def _microbatching(e: Evaluation) -> str:
     text = f"{e.micro_batch}×{e.config.get('microbatches', 1)}"
     return text + (" off" if e.config.get("offload_activations") else "")
@@ -68,13 +76,14 @@ def _title(plan: Plan) -> str:
 def ranked_table(plan: Plan, top: int) -> Table:
     """The `top` fitting layouts: degrees, memory per rank by category (GiB), step time, throughput."""
     table = Table(title=_title(plan), title_justify="left")
-    for name in ("#", "tp", "pp", "dp rep×shard", "sharding", "ckpt", "mb×m"):
+    for name in ("#", "tp", "cp", "pp", "dp rep×shard", "sharding", "ckpt", "mb×m"):
         table.add_column(name, justify="left" if name in ("sharding", "ckpt", "mb×m") else "right")
     for name in ("params", "grads", "optim", "act", "other", "total GiB", "step s", "tokens/s", "MFU"):
         table.add_column(name, justify="right")
     for i, e in enumerate(plan.fitting[:top], 1):
         memory = e.memory.summary()
-        table.add_row(str(i), _tensor_parallel(e), str(e.layout.pp), f"{e.layout.dp_replicate}×{e.layout.dp_shard}",
+        table.add_row(str(i), _tensor_parallel(e), _context_parallel(e), str(e.layout.pp),
+                      f"{e.layout.dp_replicate}×{e.layout.dp_shard}",
                       _sharding(e), e.checkpointing, _microbatching(e),
                       *(f"{memory[k] / GiB:.1f}" for k in _MEMORY_COLUMNS),
                       f"{e.step_time:.3f}", f"{e.time.tokens_per_s:,.0f}", f"{e.time.mfu:.0%}")

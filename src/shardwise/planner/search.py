@@ -28,7 +28,7 @@ from .hardware import GiB, ClusterSpec
 from .memory import MemoryBreakdown, predict_memory
 from .offload import moves_to_host
 from .experts import expert_degrees
-from .context import unplanned
+from . import context
 from .spec import ModelSpec
 from .timing import StepTime, predict_step_time
 
@@ -84,7 +84,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, group: int = 1,
-                microbatches: int = 1, offload: bool = False, sequence_parallel: bool = False, hpz: int = 0) -> dict:
+                microbatches: int = 1, offload: bool = False, sequence_parallel: bool = False, hpz: int = 0,
+                cp: int = 1, cp_mode: str = "ring") -> dict:
     """The config keys for one candidate, leaving defaults out so the plan reads like a hand-written config.
 
     No `active_microbatches`: under the default 1f1b a round of pp or more changes nothing (pp stay in
@@ -95,6 +96,10 @@ def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, gro
         d.update(tensor_parallel_degree=tp, prescaled_batch=True)
     if sequence_parallel:
         d["sequence_parallel"] = True
+    if cp > 1:
+        d["context_parallel_degree"] = cp
+        if cp_mode != "ring":
+            d["context_parallel_mode"] = cp_mode
     if pp > 1:
         d["pipeline_parallel_degree"] = pp
     if microbatches > 1:
@@ -102,7 +107,9 @@ def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, gro
     if stage == 1:
         d["shard_optimizer_state"] = True
     elif stage >= 2:
-        d.update(zero_stage=stage, sharded_data_parallel_degree=group)
+        d["zero_stage"] = stage
+        if group > 1:
+            d["sharded_data_parallel_degree"] = group
     if hpz:
         d["zero_hpz_partition_size"] = hpz
     if precision != "fp32":
@@ -113,7 +120,7 @@ def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, gro
 
 
 def _model_problems(spec: ModelSpec, layout: Layout, global_batch: int, seq: int,
-                    sequence_parallel: bool = False) -> list[Problem]:
+                    sequence_parallel: bool = False, cp_mode: str = "ring") -> list[Problem]:
     """Rules that need the model, the batch or the sequence, beyond what config validation knows."""
     problems = []
     tp, pp, dp = layout.tp, layout.pp, layout.dp
@@ -134,7 +141,10 @@ def _model_problems(spec: ModelSpec, layout: Layout, global_batch: int, seq: int
         problems.append(Problem("sequence_parallel", True, f"the sequence length {seq} does not divide by "
                                 f"tensor_parallel_degree {tp}", f"pad or cut the inputs to a multiple of {tp} "
                                 "positions, or set sequence_parallel to false"))
-    return problems
+    # context parallelism: the runtime's rules, checked when it wraps the model and at every batch
+    split = context.model_problem(spec.family, spec.traced is not None, spec.attention_dropout, cp_mode, layout.cp,
+                                  spec.heads, tp, seq)
+    return problems + ([split] if split else [])
 
 
 class _Choice(NamedTuple):
@@ -147,11 +157,13 @@ class _Choice(NamedTuple):
     checkpointing: str
     sequence: tuple[bool, ...] = (False,)   # sequence_parallel settings to try
     hpz: int = 0         # ZeRO++ hpZ's secondary group (0: off)
+    cp: int = 1          # context_parallel_degree
+    cp_mode: str = "ring"
 
     def requested_layout(self, world: int) -> Layout:
-        dp = world // (self.tp * self.pp)
+        dp = world // (self.tp * self.pp * self.cp)
         shard = self.group if self.stage >= 2 else 1
-        return Layout(pp=self.pp, dp_replicate=dp // shard, dp_shard=shard, tp=self.tp)
+        return Layout(pp=self.pp, dp_replicate=dp // shard, dp_shard=shard, tp=self.tp, cp=self.cp)
 
 
 def _rejected(d: dict, layout: Layout, stage: int, problems: list[Problem], checkpointing: str,
@@ -186,7 +198,8 @@ def evaluate(spec: ModelSpec, cluster: ClusterSpec, config: Union[Mapping, Shard
     config, layout = validate(given, cluster.topology)
     d = config.model_dump(exclude_defaults=True)
     seq = seq or spec.seq_len
-    problems = _model_problems(spec, layout, global_batch, seq, config.sequence_parallel) + unplanned(layout.cp)
+    problems = _model_problems(spec, layout, global_batch, seq, config.sequence_parallel,
+                               config.context_parallel_mode)
     batch = global_batch // layout.dp
     if not problems and batch % config.microbatches:
         problems.append(Problem("microbatches", config.microbatches,
@@ -201,12 +214,12 @@ def _variants(choice: _Choice, precision: str, batch: int, host: bool, ep_degree
     the replica's batch, activation offload with checkpointing, pipelining and m > 1 where the device has
     memory apart from the `host`'s, sequence parallelism where `_considered` found it allowed; for a model
     with experts each expert-parallel degree in `ep_degrees` (planner/experts.py)."""
-    tp, pp, stage, group, checkpointing, sequence, hpz = choice
+    tp, pp, stage, group, checkpointing, sequence, hpz, cp, cp_mode = choice
     for m in (m for m in _powers_of_two(batch) if batch % m == 0):
         offloads = [False, True] if host and pp > 1 and checkpointing != "none" and m > 1 else [False]
         for offload, sp, ep in product(offloads, sequence, ep_degrees):
             d = config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
-                            offload=offload, sequence_parallel=sp, hpz=hpz)
+                            offload=offload, sequence_parallel=sp, hpz=hpz, cp=cp, cp_mode=cp_mode)
             yield {**d, "expert_parallel_degree": ep} if ep > 1 else d
 
 
@@ -217,7 +230,9 @@ def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch:
     is tried again with its optimizer's states offloaded, where the device has memory apart from the host's."""
     results, refused = [], []
     host = moves_to_host(cluster.device)
-    for d in _variants(choice, precision, batch, host, expert_degrees(spec.experts, choice.stage, choice.group)):
+    # experts borrow from the sharding group, its cp ranks included
+    ep_degrees = expert_degrees(spec.experts, choice.stage, choice.group * choice.cp)
+    for d in _variants(choice, precision, batch, host, ep_degrees):
         for candidate in (d, {**d, "offload_optimizer_state": True}):
             try:
                 config, layout = validate(candidate, cluster.topology)
@@ -236,18 +251,22 @@ def _best_variant(spec: ModelSpec, cluster: ClusterSpec, choice: _Choice, batch:
     return min(results, key=lambda e: e.memory.total)
 
 
-def _sharding_choices(dp: int, per_node: int, plain: bool) -> list[tuple[int, int, int]]:
+def _sharding_choices(dp: int, per_node: int, plain: bool, cp: int = 1,
+                      pipelined: bool = False) -> list[tuple[int, int, int]]:
     """(ZeRO stage, partition group, hpZ group): DDP; with dp > 1 also ZeRO-1, and ZeRO-2/3 in every group size;
     ZeRO-3 over a group that spans nodes also with ZeRO++ hpZ over each node's share of it, where the layout
-    allows it (`plain`: no tensor or pipeline parallelism).
+    allows it (`plain`: no tensor, pipeline or context parallelism). Under context parallelism of degree `cp`
+    the cp ranks reduce and shard with the replicas, so one replica has something to shard too; under a pipeline
+    only over the whole data-parallel group (MiCS groups there do not run with CP: config/context.py).
 
     ZeRO-1 of one replica shards nothing: in fp32 it is DDP, and in bf16/fp16 its half-precision
     parameters (2a) come with fp32 masters and master gradients of the whole model: 18a with Adam's
     moments, where DDP keeps 16a."""
-    if dp == 1:
+    if dp * cp == 1:
         return [(0, 1, 0)]
-    sharded = [(stage, group, 0) for group in _divisors(dp)[1:] for stage in (2, 3)]
-    hpz = [(3, group, math.gcd(group, per_node)) for group in _divisors(dp)[1:]
+    groups = [dp] if cp > 1 and pipelined else _divisors(dp)[1:] or [1]  # group 1: one replica's cp ranks
+    sharded = [(stage, group, 0) for group in groups for stage in (2, 3)]
+    hpz = [(3, group, math.gcd(group, per_node)) for group in groups
            if plain and 1 < math.gcd(group, per_node) < group]
     return [(0, 1, 0), (1, 1, 0)] + sharded + hpz
 
@@ -255,7 +274,8 @@ def _sharding_choices(dp: int, per_node: int, plain: bool) -> list[tuple[int, in
 def _degree_problems(spec: ModelSpec, cluster: ClusterSpec, d: dict, layout: Layout, global_batch: int,
                      seq: int) -> list[Problem]:
     """Why config `d` cannot run with its degrees: the validation `shardwise run` applies, then the model's rules."""
-    problems = _model_problems(spec, layout, global_batch, seq, d.get("sequence_parallel", False))
+    problems = _model_problems(spec, layout, global_batch, seq, d.get("sequence_parallel", False),
+                               d.get("context_parallel_mode", "ring"))
     try:
         validate(d, cluster.topology)
     except ConfigError as err:
@@ -263,34 +283,67 @@ def _degree_problems(spec: ModelSpec, cluster: ClusterSpec, d: dict, layout: Lay
     return problems
 
 
-def _considered(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: int,
-                precision: str) -> Iterator[Evaluation]:
+def _considered(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: int, precision: str, cp: int = 1,
+                cp_mode: str = "ring", skip: frozenset = frozenset()) -> Iterator[Evaluation]:
     """One evaluation per (tp, pp) the rules reject, else per sharding and checkpointing choice. With tp > 1
-    every choice also tries sequence parallelism, unless the rules reject it: then one evaluation says why."""
+    every choice also tries sequence parallelism, unless the rules reject it: then one evaluation says why.
+    With context parallelism of degree `cp` in `cp_mode`, the (tp, pp) that leave ranks it divides, and one
+    rejection only where CP itself is what the rules reject (the search without CP says the rest); none for the
+    (tp, pp) in `skip`."""
     world = cluster.world_size
     for tp in _powers_of_two(min(world, 2 * cluster.devices_per_node)):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            layout = Layout(pp=pp, dp_replicate=dp, tp=tp)
-            base = config_dict(precision, tp=tp, pp=pp)
+        for pp in (pp for pp in _divisors(world // tp) if world // (tp * pp) % cp == 0 and (tp, pp) not in skip):
+            dp = world // (tp * pp * cp)
+            layout = Layout(pp=pp, dp_replicate=dp, tp=tp, cp=cp)
+            base = config_dict(precision, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode)
             problems = _degree_problems(spec, cluster, base, layout, global_batch, seq)
             if problems:
-                yield _rejected(base, layout, 0, problems, "none", global_batch // dp)
+                if cp == 1 or not _degree_problems(spec, cluster, config_dict(precision, tp=tp, pp=pp),
+                                                   Layout(pp=pp, dp_replicate=dp * cp, tp=tp), global_batch, seq):
+                    yield _rejected(base, layout, 0, problems, "none", global_batch // dp)
                 continue
             sequence = (False,)
             if tp > 1:
-                with_sp = config_dict(precision, tp=tp, pp=pp, sequence_parallel=True)
+                with_sp = {**base, "sequence_parallel": True}
                 problems = _degree_problems(spec, cluster, with_sp, layout, global_batch, seq)
                 if problems:
-                    yield _rejected(with_sp, layout, 0, problems, "none", global_batch // dp)
+                    if cp == 1:
+                        yield _rejected(with_sp, layout, 0, problems, "none", global_batch // dp)
                 else:
                     sequence = (False, True)
-            for stage, group, hpz in _sharding_choices(dp, cluster.devices_per_node, tp == pp == 1):
+            for stage, group, hpz in _sharding_choices(dp, cluster.devices_per_node, tp == pp == cp == 1, cp, pp > 1):
                 groups = spec.sequential_blocks and not spec.graph_stages(pp)
                 policies = not (spec.traced or spec.graph_stages(pp))
                 for checkpointing in distinct_strategies(spec.stage_layers(pp), groups, policies):
-                    yield _best_variant(spec, cluster, _Choice(tp, pp, stage, group, checkpointing, sequence, hpz),
-                                        global_batch // dp, seq, precision)
+                    choice = _Choice(tp, pp, stage, group, checkpointing, sequence, hpz, cp, cp_mode)
+                    yield _best_variant(spec, cluster, choice, global_batch // dp, seq, precision)
+
+
+def _context_considered(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: int,
+                        precision: str) -> Iterator[Evaluation]:
+    """`_considered` for the context-parallel degrees dividing the world, in each mode, from the lowest; for each
+    (tp, pp) only up to the first degree at which a layout fits without recomputation or offload: a higher one
+    keeps the same work per rank and adds traffic. For a model whose attention the runtime cannot split
+    (context.py) one evaluation says why; none for a traced one (whose attention the planner cannot see)."""
+    degrees = _divisors(cluster.world_size)[1:]
+    if spec.traced or not degrees:
+        return
+    lowest, dp = degrees[0], cluster.world_size // degrees[0]
+    problem = context.model_problem(spec.family, False, spec.attention_dropout, "ring", lowest, spec.heads, 1,
+                                    2 * lowest)
+    if problem:  # the model, not a degree: one evaluation says why no degree is tried
+        yield _rejected(config_dict(precision, cp=lowest), Layout(dp_replicate=dp, cp=lowest), 0, [problem], "none",
+                        global_batch // dp)
+        return
+    for mode in context.MODES:
+        done: set[tuple[int, int]] = set()
+        for cp in degrees:
+            fitting = set()
+            for e in _considered(spec, cluster, global_batch, seq, precision, cp, mode, frozenset(done)):
+                if e.fits and e.checkpointing == "none" and not any(k.startswith("offload") for k in e.config):
+                    fitting.add((e.layout.tp, e.layout.pp))
+                yield e
+            done |= fitting
 
 
 def _rank_key(e: Evaluation) -> tuple:
@@ -317,5 +370,7 @@ def plan(spec: ModelSpec, cluster: ClusterSpec, *, global_batch: Optional[int] =
     if not cluster.device.supports(precision):
         raise PlanError(f"precision {precision!r} is not supported by {cluster.device.name}; use one of "
                         + ", ".join(sorted(cluster.device.peak_flops)))
-    considered = sorted(_considered(spec, cluster, global_batch, seq, precision), key=_rank_key)
-    return Plan(spec, cluster, global_batch, seq, precision, considered)
+    considered = list(_considered(spec, cluster, global_batch, seq, precision))
+    if seq >= context.LONG_SEQUENCE or not any(e.fits for e in considered):
+        considered += _context_considered(spec, cluster, global_batch, seq, precision)
+    return Plan(spec, cluster, global_batch, seq, precision, sorted(considered, key=_rank_key))

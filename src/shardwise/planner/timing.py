@@ -22,16 +22,17 @@ from ..config.schema import SPLIT_BACKWARD_SCHEDULES, ShardwiseConfig
 from ..topology import Layout
 from ..config.decisions import Decisions
 from . import assumptions as A
-from . import efficiency, experts
+from . import context, efficiency, experts
 from .activations import keeps_matmuls, recomputed_elementwise_bytes, region_blocks
 from .bubbles import bubble_share, busiest_rank
 from .collectives import LinkTime, collective_time, group_shape, p2p_time
 from .efficiency import BlockSeconds, block_seconds, head_seconds
-from .hardware import ClusterSpec
+from .hardware import ClusterSpec, DeviceSpec
 from .offload import activation_transfers, host_states, state_transfers
 from .spec import ModelSpec
 from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, cross_group_bytes, first_broadcast_bucket,
-                       fully_sharded, numerics, optimizer_share, reduce_buckets, replicated_by_fsdp, stored_bytes)
+                       fully_sharded, numerics, optimizer_share, reduce_buckets, replicated_by_fsdp, sharding_ranks,
+                       stored_bytes)
 
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
@@ -55,6 +56,7 @@ class StepTime:
     compute: float
     recompute: float
     tensor_parallel: float
+    context_parallel: float   # exposed part of the ring's hops, or the all-to-alls around attention
     data_parallel: float      # exposed part of gradient sync and ZeRO gathers, and experts' all-to-alls
     pipeline_bubble: float
     pipeline_p2p: float
@@ -66,10 +68,13 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self)[:8])
+        return sum(self.parts().values())
 
     def parts(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)[:8]}
+        return {f.name: getattr(self, f.name) for f in fields(self)[:_PARTS]}
+
+
+_PARTS = [f.name for f in fields(StepTime)].index("tokens_per_s")  # the fields that add up to the step
 
 
 def _phase(window: float, comm: LinkTime, units: int, head: float | None = None) -> float:
@@ -92,7 +97,14 @@ class _Traffic:
         self.first_bucket = 0.0
         self.records: list[Collective] = []
 
+    def data_parallel_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """A data-parallel group (replicas, sharding group) with its context-parallel ranks, which hold parts of
+        the same rows: gradients are reduced, and ZeRO shards, over them too (parallel/mesh.py's rdp and
+        dp_shard_cp)."""
+        return axes + ("cp",) if "dp_shard" in axes and self.layout.cp > 1 else axes
+
     def time(self, kind: str, nbytes: float, axes: tuple[str, ...], calls: int, within: int = 0) -> LinkTime:
+        axes = self.data_parallel_axes(axes)
         shape = group_shape(self.layout, self.cluster.devices_per_node, axes, within)
         return collective_time(kind, nbytes, shape, self.cluster, calls)
 
@@ -101,8 +113,9 @@ class _Traffic:
         """Add `nbytes` of `kind` on the groups along `axes` (with `within`, on ZeRO++ hpZ's secondary groups of
         that many ranks inside them), in `calls` collectives (default: per block when sharded per block, else
         per DDP-sized bucket)."""
-        calls = calls or (self.blocks if "dp_shard" in axes and len(axes) == 1 else -(-int(nbytes) // A.BUCKET_BYTES))
+        calls = calls or (self.blocks if axes == ("dp_shard",) else -(-int(nbytes) // A.BUCKET_BYTES))
         t = self.time(kind, nbytes, axes, calls, within)
+        axes = self.data_parallel_axes(axes)
         if t.serial == 0:
             return t
         if when != "critical":
@@ -145,7 +158,7 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
         _sharding_traffic(traffic, config, layout, stage, gathered, grads)
     # MiCS's cross-group all-reduce: one per unit (the blocks, then the root), overlapping the last backward, or
     # (cross_group_overlap: forward, parallel/sharding/mics.py) also the optimizer step and the next forward
-    shards = rank_params / layout.dp_shard * cross_group_bytes(config, layout)
+    shards = rank_params / sharding_ranks(layout) * cross_group_bytes(config, layout)
     cross_group = Decisions(config, layout).cross_group
     when = "whole_step" if cross_group is not None and cross_group.deferred else "sync"
     traffic.add(when, "all_reduce", shards, ("dp_replicate",), "gradient shard", spec.stage_layers(layout.pp) + 1)
@@ -273,15 +286,16 @@ def _recompute_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout,
         return blocks.forward
     per_token = recomputed_elementwise_bytes(spec, seq, numerics(config, layout), cluster.device.kernels, layout.tp,
                                              config.sequence_parallel)
-    return (2 * per_token * micro_batch * seq * busiest_rank(spec, config, layout.pp).blocks
+    return (2 * per_token * micro_batch * seq / layout.cp * busiest_rank(spec, config, layout.pp).blocks
             / cluster.device.streaming_bandwidth)
 
 
 def _stage_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
                    micro_batch: int, seq: int) -> tuple[BlockSeconds, BlockSeconds]:
     """(the busiest rank's blocks, the rest of its work: head, patch projection) for one microbatch: kernel by
-    kernel where the device has a kernel table (efficiency.py), else its FLOPs at one share of peak."""
-    tokens, tp, device = micro_batch * seq, layout.tp, cluster.device
+    kernel where the device has a kernel table (efficiency.py), else its FLOPs at one share of peak. Under context
+    parallelism a rank runs 1/cp of the tokens, each query still against the whole sequence's keys."""
+    tokens, tp, device = micro_batch * seq / layout.cp, layout.tp, _attention_device(config, layout, cluster)
     peak = device.sustained_flops(config.dtype_name)
     if efficiency.modelled(spec, device) and not spec.graph_stages(layout.pp):
         rank = busiest_rank(spec, config, layout.pp)
@@ -294,6 +308,63 @@ def _stage_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, clu
     blocks_fwd, edge_fwd = tokens * in_blocks / tp / rate, tokens * outside / tp / rate
     return BlockSeconds(blocks_fwd, 0.0, 0.0, 2 * blocks_fwd, 0.0, 0.0), BlockSeconds(edge_fwd, 0.0, 0.0,
                                                                                      2 * edge_fwd, 0.0, 0.0)
+
+
+def _attention_device(config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec) -> DeviceSpec:
+    """The device as its attention runs under the layout: ring blocks without a fused kernel compute their scores
+    as plain products (context.py)."""
+    decisions, device = Decisions(config, layout), cluster.device
+    if not decisions.context_parallel:
+        return device
+    fused = context.fused_ring_blocks(device.memory_is_host)
+    return replace(device, kernels=context.compute_kernels(decisions.context_parallel_mode, device.kernels, fused))
+
+
+def _attention_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
+                       blocks: BlockSeconds, layers: int, micro_batch: int, seq: int) -> float:
+    """One block's attention forward and backward on one rank for a microbatch: the kernel model's where the device
+    has one, else its FLOPs (both products, causal half skipped, backward twice forward) at one share of peak."""
+    if blocks.attention_forward + blocks.attention_backward:
+        return (blocks.attention_forward + blocks.attention_backward) / layers
+    tokens = micro_batch * seq / layout.cp
+    flops = 3 * 4 * tokens * seq * spec.hidden / layout.tp * (0.5 if spec.causal else 1.0)
+    return flops / (cluster.device.sustained_flops(config.dtype_name) * A.ACHIEVABLE_FLOPS_FRACTION)
+
+
+def _context_parallel_seconds(traffic: _Traffic, spec: ModelSpec, config: ShardwiseConfig, layout: Layout,
+                              cluster: ClusterSpec, micro_batch: int, seq: int, layers: int, blocks: BlockSeconds,
+                              recomputed: bool) -> float:
+    """Seconds per microbatch context parallelism's exchanges add to the critical path (context.py): of the ring's
+    hops, what outlasts the attention of the block before each; the all-to-alls whole (attention waits for them).
+    Blocks recomputed in full exchange their forward again; each hop or exchange pays the link's latency."""
+    decisions = Decisions(config, layout)
+    if not decisions.context_parallel or spec.graph_stages(layout.pp):
+        return 0.0
+    n, mode = decisions.context_parallel_degree, decisions.context_parallel_mode
+    shape = context.layer_shape(spec.heads, spec.kv_heads, spec.hidden // spec.heads, layout.tp, micro_batch, seq,
+                                compute_bytes(config))
+    sent = context.wire_bytes(mode, n, shape)
+    group = group_shape(layout, cluster.devices_per_node, ("cp",))
+    if group.crosses_nodes:  # every rank of a node shares its links out
+        link, latency = "inter", cluster.inter_node_latency
+        bandwidth = cluster.inter_node_bandwidth * cluster.link_efficiency / cluster.devices_per_node
+    else:
+        link, latency = "intra", cluster.intra_node_latency
+        bandwidth = cluster.intra_node_bandwidth * cluster.link_efficiency
+    attention = _attention_seconds(spec, config, layout, cluster, blocks, layers, micro_batch, seq)
+    exposed = context.exposed_seconds(mode, n, shape, bandwidth, attention)
+    # the ring's 3n - 2 hops (n - 1 forward, 2n - 1 backward); all-to-all: q, k, v and out each way, n - 1 steps each
+    steps = 3 * n - 2 if mode == "ring" else 8 * (n - 1)
+    per_layer = exposed + steps * latency
+    if recomputed:
+        forward_share = sent["forward"] / (sent["forward"] + sent["backward"])
+        per_layer += forward_share * exposed + (n - 1 if mode == "ring" else 4 * (n - 1)) * latency
+    volume = (sent["forward"] * (2 if recomputed else 1) + sent["backward"]) * layers
+    traffic.records.append(Collective(f"{mode.replace('_', '-')} attention exchange (exposed: beyond attention)"
+                                      if mode == "ring" else "all-to-all attention exchange (critical path)", "cp",
+                                      volume * traffic.microbatches, link,
+                                      per_layer * layers * traffic.microbatches))
+    return per_layer * layers
 
 
 def _pipeline_bubble(config: ShardwiseConfig, layout: Layout, t_mb: float, work: float, forward: float,
@@ -317,20 +388,24 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     blocks, edge = _stage_seconds(spec, config, layout, cluster, micro_batch, seq)
     forward, backward = blocks.forward + edge.forward, blocks.backward + edge.backward
     recompute = _recompute_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing, blocks)
-    activation = micro_batch * seq * spec.boundary_elements(pp) * compute_bytes(config)
+    activation = micro_batch * seq / layout.cp * spec.boundary_elements(pp) * compute_bytes(config)
     sent = activation / tp if config.sequence_parallel else activation   # stages hand each other sequence shards
     traffic = _Traffic(cluster, layout, m, layers)
     tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0)
+    cp_time = _context_parallel_seconds(traffic, spec, config, layout, cluster, micro_batch, seq, layers, blocks,
+                                        recompute > 0 and not keeps_matmuls(checkpointing))
     _data_parallel_traffic(traffic, config, layout, spec)
 
-    busy = forward + backward + recompute + tp_time
+    critical = tp_time + cp_time
+    busy = forward + backward + recompute + critical
     fwd_phase = _phase(forward, traffic.forward, layers)
-    t_mb = fwd_phase + _phase(backward + recompute, traffic.backward, layers) + tp_time
-    t_last = fwd_phase + _phase(backward + recompute, traffic.backward + traffic.sync, layers) + tp_time
+    t_mb = fwd_phase + _phase(backward + recompute, traffic.backward, layers) + critical
+    t_last = fwd_phase + _phase(backward + recompute, traffic.backward + traffic.sync, layers) + critical
     # ZeRO-1's broadcasts stretch the first forward (nothing else overlaps it then: ZeRO-1 gathers nothing)
     t_first = _phase(forward, traffic.next_forward, layers, traffic.first_bucket) - forward
     weight_grad = (blocks.matmul_backward + edge.matmul_backward) / 2
     time = StepTime(compute=(forward + backward) * m, recompute=recompute * m, tensor_parallel=tp_time * m,
+                    context_parallel=cp_time * m,
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial
                     + experts.step_seconds(spec, config, layout, cluster, micro_batch, seq, compute_bytes(config)),
                     pipeline_bubble=_pipeline_bubble(config, layout, t_mb, busy, forward + recompute, weight_grad),

@@ -102,11 +102,23 @@ def numerics(config: ShardwiseConfig, layout: Layout) -> Numerics:
     return Numerics(low, logits=FP32_BYTES)
 
 
+def gradient_ranks(layout: Layout) -> int:
+    """Ranks a gradient is reduced over (and ZeRO-1 deals its optimizer states over): the data-parallel ranks, each
+    with its context-parallel ranks, which hold parts of the same rows (parallel/mesh.py's `rdp`)."""
+    return layout.dp * layout.cp
+
+
+def sharding_ranks(layout: Layout) -> int:
+    """Ranks ZeRO-2/3 shards each unit over: the sharding group, with the context-parallel ranks inside it
+    (`dp_shard × cp`, torchtitan's dp_shard_cp)."""
+    return layout.dp_shard * layout.cp
+
+
 def shard_degrees(config: ShardwiseConfig, layout: Layout) -> tuple[int, int, int]:
     """How many ways (parameters, gradients, optimizer states) are split across data-parallel ranks."""
     if fully_sharded(config):
-        return layout.dp_shard, layout.dp_shard, layout.dp_shard
-    return 1, 1, layout.dp if config.effective_zero_stage == 1 else 1
+        return (sharding_ranks(layout),) * 3
+    return 1, 1, gradient_ranks(layout) if config.effective_zero_stage == 1 else 1
 
 
 @lru_cache(maxsize=1024)
@@ -141,8 +153,8 @@ def _buckets(sizes: tuple[float, ...], ranks: int) -> Buckets:
 
 
 def reduce_buckets(spec: ModelSpec, layout: Layout) -> Buckets:
-    """ZeRO-1's buckets on the busiest stage, tensors divided by `tp`."""
-    return _buckets(tuple(t / layout.tp for t in spec.stage_tensors(layout.pp)), layout.dp)
+    """ZeRO-1's buckets on the busiest stage, tensors divided by `tp`, owners among the `gradient_ranks`."""
+    return _buckets(tuple(t / layout.tp for t in spec.stage_tensors(layout.pp)), gradient_ranks(layout))
 
 
 def in_flight_bucket_bytes(spec: ModelSpec, layout: Layout) -> float:
@@ -181,7 +193,7 @@ def optimizer_step_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layou
     if host:
         largest = max(spec.stage_tensors(layout.pp)) / layout.tp
         if fully_sharded(config):
-            largest /= layout.dp_shard
+            largest /= sharding_ranks(layout)
         return A.STEP_COPIES_PER_TENSOR_HOST * FP32_BYTES * largest
     stepped = spec.stage_parameters(layout.pp) / layout.tp * optimizer_share(spec, config, layout)
     return A.STEP_COPIES_FOREACH * FP32_BYTES * stepped
@@ -237,7 +249,7 @@ def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
         master_gradients = REDUCE_BYTES * rank_params * optimizer_share(spec, config, layout)
         buffers = master_gradients + in_flight_bucket_bytes(spec, layout)
     else:
-        buffers = REDUCE_BYTES * rank_params if layout.dp > 1 else 0.0
+        buffers = REDUCE_BYTES * rank_params if gradient_ranks(layout) > 1 else 0.0
     if Decisions(config, layout).pipelining:
-        buffers += 2 * micro_batch * seq * spec.boundary_elements(layout.pp) * low
+        buffers += 2 * micro_batch * seq / layout.cp * spec.boundary_elements(layout.pp) * low  # a cp share
     return buffers
