@@ -134,12 +134,18 @@ def test_a_sequence_the_degree_does_not_split_is_refused():
         shard_batch(torch.zeros(1, 12, dtype=torch.long), 0, 4)
 
 
-def test_the_planner_refuses_to_predict_a_cp_layout_it_does_not_model():
+def test_the_planner_predicts_a_cp_layout_and_names_a_model_it_cannot_split():
     from shardwise.planner import cluster_preset, evaluate, resolve_model
 
-    spec, cluster = resolve_model("vit-630m"), cluster_preset("8xg4dn.12xlarge")
-    result = evaluate(spec, cluster, {"context_parallel_degree": 2}, global_batch=128)
+    cluster = cluster_preset("8xg4dn.12xlarge")
+    llama = resolve_model("llama:num_hidden_layers=4")
+    whole, split = (evaluate(llama, cluster, {"context_parallel_degree": cp}, global_batch=256 // cp, seq=4096)
+                    for cp in (1, 2))
+    assert split.time.context_parallel > 0 and whole.time.context_parallel == 0
+    assert split.micro_batch == whole.micro_batch  # the same rows per replica: each rank keeps half their tokens
+    assert split.memory.activations == pytest.approx(whole.memory.activations / 2, rel=0.01)
+    result = evaluate(resolve_model("vit-630m"), cluster, {"context_parallel_degree": 2}, global_batch=128)
     assert not result.fits and result.memory is None
-    assert result.reason == ("context_parallel_degree=2: the planner does not predict context parallelism yet (its "
-                             "traffic and activation share are in planner/context.py, not in the memory and time "
-                             "model); fix: plan without it, and see docs/context_parallel.md for its measured effect")
+    assert result.reason == ("context_parallel_degree=2: the attention of a vit model cannot be split (context "
+                             "parallelism splits causal decoders: Hugging Face GPT-2, Llama, Mistral, Qwen2 and "
+                             "Mixtral, or a module calling its hook); fix: set context_parallel_degree to 1")
