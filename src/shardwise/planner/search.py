@@ -255,9 +255,10 @@ def _sharding_choices(dp: int, per_node: int, plain: bool, cp: int = 1,
                       pipelined: bool = False) -> list[tuple[int, int, int]]:
     """(ZeRO stage, partition group, hpZ group): DDP; with dp > 1 also ZeRO-1, and ZeRO-2/3 in every group size;
     ZeRO-3 over a group that spans nodes also with ZeRO++ hpZ over each node's share of it, where the layout
-    allows it (`plain`: no tensor, pipeline or context parallelism). Under context parallelism of degree `cp`
-    the cp ranks reduce and shard with the replicas, so one replica has something to shard too; under a pipeline
-    only over the whole data-parallel group (MiCS groups there do not run with CP: config/context.py).
+    allows it (`plain`: no tensor or pipeline parallelism). Under context parallelism of degree `cp` the cp ranks
+    reduce and shard with the replicas (a sharding group of `group × cp` ranks), so one replica has something to
+    shard too; under a pipeline only over the whole data-parallel group (MiCS groups there do not run with CP:
+    config/context.py).
 
     ZeRO-1 of one replica shards nothing: in fp32 it is DDP, and in bf16/fp16 its half-precision
     parameters (2a) come with fp32 masters and master gradients of the whole model: 18a with Adam's
@@ -266,8 +267,8 @@ def _sharding_choices(dp: int, per_node: int, plain: bool, cp: int = 1,
         return [(0, 1, 0)]
     groups = [dp] if cp > 1 and pipelined else _divisors(dp)[1:] or [1]  # group 1: one replica's cp ranks
     sharded = [(stage, group, 0) for group in groups for stage in (2, 3)]
-    hpz = [(3, group, math.gcd(group, per_node)) for group in groups
-           if plain and 1 < math.gcd(group, per_node) < group]
+    hpz = [(3, group, math.gcd(group * cp, per_node)) for group in groups
+           if plain and 1 < math.gcd(group * cp, per_node) < group * cp]
     return [(0, 1, 0), (1, 1, 0)] + sharded + hpz
 
 
@@ -311,7 +312,7 @@ def _considered(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: i
                         yield _rejected(with_sp, layout, 0, problems, "none", global_batch // dp)
                 else:
                     sequence = (False, True)
-            for stage, group, hpz in _sharding_choices(dp, cluster.devices_per_node, tp == pp == cp == 1, cp, pp > 1):
+            for stage, group, hpz in _sharding_choices(dp, cluster.devices_per_node, tp == pp == 1, cp, pp > 1):
                 groups = spec.sequential_blocks and not spec.graph_stages(pp)
                 policies = not (spec.traced or spec.graph_stages(pp))
                 for checkpointing in distinct_strategies(spec.stage_layers(pp), groups, policies):
