@@ -7,8 +7,8 @@ built with delayed initialisation, and with ZeRO++ hpZ), and CP 4 alone and unde
 recomputed, CP 2 × TP 2 (ring; all-to-all with sequence parallelism under ZeRO-3) and CP 2 × PP 2 (ring with the
 model's loss; all-to-all with the loop's own), Hugging Face Llama and GPT-2 train 3 SGD steps (packed documents in
 some cases): losses and every parameter match one process that averages each replica's loss as data parallelism
-does. Mixture-of-experts Mixtral and Qwen3-MoE with their experts split over ranks the cp axis lends (EP × CP) train
-on their own loss from labels, load-balancing loss included, as one process.
+does. Mixture-of-experts Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE with their experts split over ranks the cp axis
+lends (EP × CP) train on their own loss from labels, load-balancing loss included, as one process.
 """
 
 from __future__ import annotations
@@ -198,6 +198,12 @@ MOE_CASES = {
     "qwen3_moe-cp4-ep2-zero3-all_to_all": ("qwen3_moe", {"context_parallel_degree": 4, "zero_stage": 3,
                                                          "context_parallel_mode": "all_to_all",
                                                          "expert_parallel_degree": 2}),
+    # the other two families whose attention CP splits: experts over both replicas and both cp ranks
+    "qwen2_moe-cp2-ep4-zero2": ("qwen2_moe", {"context_parallel_degree": 2, "zero_stage": 2,
+                                             "expert_parallel_degree": 4}),
+    "olmoe-cp2-ep2-zero3-all_to_all": ("olmoe", {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2,
+                                                 "context_parallel_mode": "all_to_all",
+                                                 "expert_parallel_degree": 2}),
 }
 
 
