@@ -173,3 +173,17 @@ def test_cp_memory_matches_memtracker(name, cp_runs):
     layout = layout_for(config, Cluster(1, WORLD))
     predicted = predict_memory(spec_from_hf(MODELS[family][1].to_dict(), family), config, layout, ROWS, SEQ, device=CPU)
     _check(name, predicted, cp_runs[name])
+
+
+def test_sharding_traffic_spans_the_cp_ranks_and_hpz_stays_inside_a_node():
+    two_nodes = cluster_preset("2xp4d.24xlarge")
+    config, layout = _layout({"context_parallel_degree": 2, "zero_stage": 3, "zero_hpz_partition_size": 8,
+                              "bf16": True}, two_nodes)
+    time = predict_step_time(SMALL_LLAMA, config, layout, two_nodes, 1, 16384)
+    axes = {c.name: (c.axis, c.link) for c in time.collectives}
+    assert axes["gradient reduce-scatter (overlaps backward)"] == ("dp_shard×cp", "intra+inter")
+    assert axes["parameter all-gather (overlaps backward)"] == ("hpz", "intra")  # a node's 8 of the 16
+    config, layout = _layout({"context_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2,
+                              "shard_optimizer_state": True}, two_nodes)
+    pipelined = predict_step_time(SMALL_LLAMA, config, layout, two_nodes, 1, 16384)
+    assert {c.axis for c in pipelined.collectives} >= {"cp", "pp", "dp_replicate×cp"}
