@@ -11,20 +11,21 @@ def _losses(out):
     return [float(m) for m in re.findall(r"^step +\d+/\d+ +loss ([\d.]+)", out, flags=re.M)]
 
 
-def test_demo_trains_with_mics_and_the_loss_falls(tmp_path, capsys):
+def test_demo_default_run_trains_with_mics_and_learns_the_rule(tmp_path, capsys):
+    """The README's first command as it stands: 40 steps, reported every 5, and the rule learnt."""
     run_dir = tmp_path / "demo"
-    code = main(["demo", "--steps", "20", "--run-dir", str(run_dir)])
+    code = main(["demo", "--run-dir", str(run_dir)])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "layout: pp=1 × dp_replicate=2 × dp_shard=2 × tp=1" in out
     assert "MiCS / ZeRO-2D (ZeRO-3 in partition groups of 2, 2 replicas)" in out
     losses = _losses(out)
-    assert len(losses) == 5  # steps 1, 5, 10, 15, 20
+    assert len(losses) == 9  # steps 1, 5, 10, ..., 40
     assert 5.3 < losses[0] < 5.8  # ≈ ln(256): a fresh model guesses uniformly
-    assert losses[-1] < losses[0] - 2.0
+    assert losses[-1] < 1.0
     summary = next(line for line in out.splitlines() if line.startswith("done:"))
     assert f"loss {losses[0]:.3f} → {losses[-1]:.3f}" in summary and "tokens/s" in summary
-    assert "20 steps on 4 ranks (dp 4)" in summary
+    assert "40 steps on 4 ranks (dp 4)" in summary
     for rank in range(4):
         assert (run_dir / f"logs/rank{rank}/stdout.log").is_file()
     assert "step" not in (run_dir / "logs/rank3/stdout.log").read_text()  # only rank 0 reports
@@ -54,10 +55,3 @@ def test_demo_rejects_bad_training_flags_before_starting(tmp_path, capsys, monke
     assert info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"shardwise demo: error: {message}"
     assert not (tmp_path / "demo").exists()
-
-
-@pytest.mark.slow
-def test_demo_default_run_learns_the_rule(tmp_path, capsys):
-    assert main(["demo", "--run-dir", str(tmp_path / "demo")]) == 0
-    losses = _losses(capsys.readouterr().out)
-    assert losses[-1] < 1.0
