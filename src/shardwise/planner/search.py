@@ -1,8 +1,9 @@
 """Enumerate configurations for a model on a cluster, predict each, keep the fitting ones ranked.
 
-A *layout considered* is one choice of degrees (tp, pp, MiCS group), ZeRO stage (ZeRO-3 across
-nodes also with ZeRO++ hpZ inside each node) and checkpointing strategy (SMP's names: activations.CHECKPOINTING). For each, the microbatch count, activation and optimizer-state
-offload and sequence parallelism are chosen here: the fastest variant that fits, else
+A *layout considered* is one choice of degrees (tp, pp, MiCS group; where sequences are long the
+context-parallel degree and mode too: context.LONG_SEQUENCE), ZeRO stage (ZeRO-3 across nodes also with ZeRO++
+hpZ inside each node) and checkpointing strategy (SMP's names: activations.CHECKPOINTING). For each, the
+microbatch count, activation and optimizer-state offload and sequence parallelism are chosen here: the fastest variant that fits, else
 the one needing the least memory (whose overflow `--explain` reports). Offloading is
 slower, so it is proposed only where it makes a layout fit, and never on a device
 whose memory is the host's. Every candidate is
