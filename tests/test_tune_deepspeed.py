@@ -109,3 +109,11 @@ def test_overwrite_clears_an_earlier_run_and_its_trials_or_refuses_them(tmp_path
     assert "trials.jsonl exists; pass another --results, or --overwrite" in capsys.readouterr().err
     assert _clear(tmp_path, tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_base_configs_layout_keys_give_way_to_the_planned_layout():
+    """Every layout key the planner searches, context and expert parallelism included, comes from the plan: a
+    base config's `context_parallel_degree` does not survive into a planned layout without it."""
+    base = {"context_parallel_degree": 2, "context_parallel_mode": "all_to_all", "expert_parallel_degree": 2,
+            "zero_stage": 3, "bf16": True}
+    assert merged(base, {"tensor_parallel_degree": 2}) == {"bf16": True, "tensor_parallel_degree": 2}

@@ -39,8 +39,9 @@ _CLUSTER_FLAGS = [
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="rank the configurations that fit a model on a cluster",
                        description="Predict per-rank memory and step time of every layout (pp × dp_replicate × "
-                                   "dp_shard × tp, ZeRO stage, MiCS group, checkpointing, microbatching) of a "
-                                   "model on a cluster and rank the ones that fit. Exit 2 on bad input.")
+                                   "dp_shard × cp × tp, ZeRO stage, MiCS group, experts' ep degree, context "
+                                   "parallelism's mode, checkpointing, microbatching) of a model on a cluster and "
+                                   "rank the ones that fit. Exit 2 on bad input.")
     p.add_argument("--model", required=True, metavar="MODEL",
                    help=f"preset ({', '.join(sorted(MODEL_PRESETS))}), FAMILY[:key=value,...] "
                         "(gpt2, llama, bert, vit), a config.json path, or module:function returning any nn.Module "

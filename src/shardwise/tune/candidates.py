@@ -38,7 +38,8 @@ class Candidate:
 # base config's own values of them give way to each candidate's, set or left at their defaults.
 TUNED_KEYS = ("tensor_parallel_degree", "prescaled_batch", "sequence_parallel", "pipeline_parallel_degree",
               "microbatches", "shard_optimizer_state", "zero_stage", "sharded_data_parallel_degree",
-              "zero_hpz_partition_size", "offload_activations", "offload_optimizer_state")
+              "zero_hpz_partition_size", "offload_activations", "offload_optimizer_state", "context_parallel_degree",
+              "context_parallel_mode", "expert_parallel_degree")
 
 
 def merged(base: Mapping[str, Any], planned: Mapping[str, Any]) -> dict[str, Any]:
