@@ -18,9 +18,10 @@ every pair of values. For each row, the validation `check-config` runs decides:
 Rows the matrix once found wrong (`REGRESSIONS`) run besides the covering array, and so do
 a few rows of layout variants (`VARIANTS`: MiCS with its cross-group all-reduce in bf16,
 compared within that reduction's own tolerance; the module-graph pipeline cut with two stages
-per rank and with tensor-parallel stages; context parallelism, ring under DDP and all-to-all under ZeRO-3, whose
-attention splits the causal text families; expert parallelism under ZeRO-3, beside tensor parallelism and in
-pipeline stages, which splits the experts of a Mixtral, the mixture-of-experts family).
+per rank and with tensor-parallel stages; context parallelism, ring under DDP, all-to-all under ZeRO-3, with
+tensor and sequence parallelism and with pipeline stages, whose attention splits the causal text families; expert
+parallelism under ZeRO-3, beside tensor parallelism, in pipeline stages and with context parallelism, which splits
+the experts of a Mixtral, the mixture-of-experts family).
 
 `python bench/combinations.py` runs the full product and writes docs/combinations.md.
 """
