@@ -34,7 +34,8 @@ class PrecisionMode(str, Enum):
     FULL = "fp32"                # no mixed precision
     AUTOCAST = "autocast"        # fp32 parameters, torch.autocast around forward
     CAST = "cast"                # FSDP2's MixedPrecisionPolicy casts parameters and inputs per module
-    STORED = "stored"            # parameters stored in the compute dtype (ZeRO-1's half-precision replicas)
+    STORED = "stored"            # parameters stored in the compute dtype (ZeRO-1's half-precision replicas, and
+                                 # every wrapping in pure bf16)
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,21 @@ class Decisions:
     def precision_mode(self, trains: bool = True) -> PrecisionMode:
         if self.config.dtype_name == "fp32":
             return PrecisionMode.FULL
+        if self.pure_bf16:
+            return PrecisionMode.STORED
         return {Wrapping.SHARDED: PrecisionMode.CAST, Wrapping.REPLICATE: PrecisionMode.CAST,
                 Wrapping.ZERO1_MASTERS: PrecisionMode.STORED}.get(self.wrapping(trains), PrecisionMode.AUTOCAST)
+
+    @property
+    def pure_bf16(self) -> bool:
+        """Parameters stored in bf16 under every wrapping, gradients reduced in bf16, no fp32 master: the optimizer
+        steps the bf16 parameters (bf16_master_weights_and_grads)."""
+        return self.config.pure_bf16
+
+    @property
+    def reduce_dtype(self) -> Literal["fp32", "bf16"]:
+        """The dtype gradients are reduced in over the data-parallel ranks (MiCS's cross-group link aside)."""
+        return "bf16" if self.pure_bf16 else "fp32"
 
     @property
     def shards_optimizer_state(self) -> bool:
@@ -134,7 +148,8 @@ class Decisions:
         without a pipeline (whose stages reduce after the schedule, where FSDP2's hybrid sharding does it)."""
         if self.wrapping() is not Wrapping.SHARDED or self.layout.dp_replicate == 1 or self.pipelining:
             return None
-        return CrossGroupSettings(self.config.cross_group_reduce_dtype, self.config.cross_group_overlap)
+        dtype = "bf16" if self.pure_bf16 else self.config.cross_group_reduce_dtype
+        return CrossGroupSettings(dtype, self.config.cross_group_overlap)
 
     @property
     def hybrid_sharding(self) -> bool:

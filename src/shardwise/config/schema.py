@@ -113,6 +113,11 @@ class ShardwiseConfig(SmpOnlySettings):
         False, description="sw.delay_param_initialization() builds the model on the meta device; DistributedModel "
         "materialises only what this rank runs (its pipeline stages).")
     bf16: bool = Field(False, description="bfloat16 compute, fp32 master weights and gradient reduction.")
+    bf16_master_weights_and_grads: bool = Field(
+        False, description="With bf16: pure bf16 (DeepSpeed's bf16.bf16_master_weights_and_grads, MosaicML's PURE): "
+        "parameters, gradients and their reduction in bf16, no fp32 master; the optimizer keeps its states in the "
+        "parameters' dtype. Half the bytes of parameters, gradients and reductions, at an accuracy cost "
+        "(docs/precision.md).")
     fp16: bool = Field(False, description="float16 compute with dynamic loss scaling, fp32 master weights and "
                        "gradient reduction.")
     fp16_params: bool = Field(False, description="SMP's earlier spelling of fp16 (parameters of distributed modules "
@@ -269,7 +274,13 @@ class ShardwiseConfig(SmpOnlySettings):
         """ZeRO-1 in bf16/fp16: replicas keep parameters and gradients in the compute dtype, and each rank
         fp32 master copies of only its share (parallel/zero1/master_weights.py; the planner models the same). With
         offload_optimizer_state in fp32 too: the masters are what goes to host memory."""
-        return self.effective_zero_stage == 1 and (self.dtype_name != "fp32" or self.offload_optimizer_state)
+        return self.effective_zero_stage == 1 and (self.dtype_name != "fp32" and not self.pure_bf16
+                                                   or self.offload_optimizer_state)
+
+    @property
+    def pure_bf16(self) -> bool:
+        """bf16 parameters, gradients, reductions and optimizer states: no fp32 master anywhere."""
+        return self.bf16 and self.bf16_master_weights_and_grads
 
     @property
     def dtype_name(self) -> str:

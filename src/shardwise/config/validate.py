@@ -73,6 +73,15 @@ def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
                       "cut along the blocks (pipeline_cut: blocks), or drop sequence_parallel")
     if c.bf16 and c.fp16:
         yield Problem("fp16", True, "bf16 and fp16 cannot both be on", "set only one of them")
+    if c.bf16_master_weights_and_grads and not c.bf16:
+        yield Problem("bf16_master_weights_and_grads", True, "is pure bf16 and needs bf16: true"
+                      + (" (fp16 always keeps fp32 masters)" if c.fp16 else ""),
+                      "set bf16: true" + (" and fp16: false" if c.fp16 else "")
+                      + ", or drop bf16_master_weights_and_grads")
+    if c.pure_bf16 and c.offload_optimizer_state and c.effective_zero_stage == 1:
+        yield Problem("offload_optimizer_state", True, "under ZeRO-1 offloads fp32 master weights, which pure bf16 "
+                      "(bf16_master_weights_and_grads) does not keep",
+                      "use ZeRO-2/3 to offload bf16 states, or drop one of the two")
     pp = c.pipeline_parallel_degree
     if c.default_partition >= pp:
         yield Problem("default_partition", c.default_partition, f"must be a pipeline stage, below "
