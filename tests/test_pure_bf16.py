@@ -104,3 +104,12 @@ def test_what_pure_bf16_cannot_honour_is_refused_in_one_line(config, message):
     with pytest.raises(ConfigError) as refused:
         load_config(config)
     assert message in str(refused.value) and "\n" not in str(refused.value).strip()
+
+
+def test_deepspeed_bf16_master_weights_and_grads_is_pure_bf16():
+    from shardwise.config.deepspeed import translate
+
+    pure = translate({"train_batch_size": 8, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                                      "bf16_optimizer_states": True}})
+    assert load_config(pure.config).pure_bf16
+    assert not load_config(translate({"train_batch_size": 8, "bf16": {"enabled": True}}).config).pure_bf16

@@ -45,8 +45,14 @@ def _bf16(name: str) -> Section:
         if enabled(check) and "non_finite_gradients" not in t.config:  # the config's own key wins
             t.set("non_finite_gradients", "skip", f"{name}.check_grad_overflow (DeepSpeed's default true)"
                   if "check_grad_overflow" not in section else f"{name}.check_grad_overflow")
-        rest(t, name, section, ("enabled", "check_grad_overflow", "check_overflow"),
-             "bf16 keeps fp32 master weights and reduces gradients in fp32")
+        used = ["enabled", "check_grad_overflow", "check_overflow"]
+        if enabled(section.get("bf16_master_weights_and_grads", False)):
+            t.set("bf16_master_weights_and_grads", True, f"{name}.bf16_master_weights_and_grads")
+            used += ["bf16_master_weights_and_grads"]
+            if enabled(section.get("bf16_optimizer_states", False)):
+                used += ["bf16_optimizer_states"]  # pure bf16's states are in the parameters' dtype anyway
+        rest(t, name, section, used, "without bf16_master_weights_and_grads, bf16 keeps fp32 master weights and "
+             "optimizer states and reduces gradients in fp32; with it, the states follow the bf16 parameters")
     return translate
 
 
