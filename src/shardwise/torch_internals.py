@@ -42,8 +42,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
-from torch.distributed.tensor import DTensor, _redistribute, debug
-from torch.distributed.tensor.experimental._context_parallel import _attention as _context_parallel_attention
+from torch.distributed.tensor import DTensor, _redistribute
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
@@ -213,6 +212,8 @@ def strided_shard(dim: int, chunks: int) -> Placement:
 def clear_dtensor_caches() -> None:
     """Drop DTensor's sharding-propagation and redistribution caches (they hold DeviceMeshes)."""
     # Private caches with no public reset (debug's one is private too); nothing public replaces them.
+    from torch.distributed.tensor import debug  # on first use: it loads torch's runtime estimator and inductor
+
     debug._clear_sharding_prop_cache()
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()
@@ -290,9 +291,18 @@ def process_groups() -> dict[str, tuple[dist.ProcessGroup, str, list[int]]]:
             for group, name in dist.distributed_c10d._world.pg_names.items()}
 
 
+def _ring_module() -> Any:
+    """torch's context-parallel attention module, imported on first use (it loads half a second of torch that
+    runs without context parallelism never need)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
+
+
 @contextlib.contextmanager
 def _ring_options(load_balanced: bool) -> Iterator[None]:
     """torch's ring attention reads two module-level options: set them for one call, then put them back."""
+    _context_parallel_attention = _ring_module()
     options = _context_parallel_attention._cp_options
     saved = options.enable_load_balance, options.rotate_method
     # Each step sends the key/value block to the next rank (a ring, overlapping the block's attention), where the
@@ -313,7 +323,7 @@ def ring_attention(group: dist.ProcessGroup, block: Callable[..., tuple[torch.Te
     # _templated_ring_attention: what torch's context_parallel() runs for the CUDA kernels; public only through
     # context_parallel(), whose sharding rules cover no CPU kernel and no document mask in torch 2.13.
     with _ring_options(is_causal):
-        out, lse, *_ = _context_parallel_attention._templated_ring_attention(
+        out, lse, *_ = _ring_module()._templated_ring_attention(
             group, 2, block, query=query, key=key, value=value, is_causal=is_causal, **kwargs)
     return out, lse
 
@@ -325,7 +335,7 @@ def ring_attention_backward(group: dist.ProcessGroup, block: Callable[..., tuple
     """The gradients of `ring_attention`'s inputs: keys/values pass the ring again, their gradients follow them back;
     `block(query=, key=, value=, out=, logsumexp=, grad_out=, is_causal=, **kwargs)` gives each block's."""
     with _ring_options(is_causal):
-        grad_query, grad_key, grad_value, *_ = _context_parallel_attention._templated_ring_attention_backward(
+        grad_query, grad_key, grad_value, *_ = _ring_module()._templated_ring_attention_backward(
             group, 2, block, grad_out, "grad_out", query, key, value, out, logsumexp, is_causal, **kwargs)
     return grad_query, grad_key, grad_value
 
