@@ -113,3 +113,55 @@ def test_deepspeed_bf16_master_weights_and_grads_is_pure_bf16():
                                                       "bf16_optimizer_states": True}})
     assert load_config(pure.config).pure_bf16
     assert not load_config(translate({"train_batch_size": 8, "bf16": {"enabled": True}}).config).pure_bf16
+
+
+# The planner: memory per category against MemTracker (tests/test_planner_measured.py's measure and tolerances), and
+# what pure bf16 changes from mixed bf16 in its predictions.
+PLANNED = {f"{name} pure bf16": {**config, **PURE} for name, config in
+           {"DDP": {}, "ZeRO-1": {"shard_optimizer_state": True},
+            "ZeRO-3": {"sharded_data_parallel_degree": WORLD}}.items()}
+
+
+def test_planner_memory_matches_memtracker_in_pure_bf16():
+    from shardwise.config import parse_config
+    from shardwise.config.layout import layout_for
+    from shardwise.planner import predict_memory, spec_from_hf
+    from shardwise.topology import Cluster
+    from test_planner_measured import BATCH, CPU, GPT2, _check, measure_all
+
+    per_rank = run_distributed(measure_all, WORLD, PLANNED, timeout=300)
+    for name, config in PLANNED.items():
+        measured = {k: max(rank[name][k] for rank in per_rank) for k in per_rank[0][name]}
+        config = parse_config(config)
+        predicted = predict_memory(spec_from_hf(GPT2.to_dict(), "gpt2"), config,
+                                   layout_for(config, Cluster(1, WORLD)), BATCH, 64, device=CPU)
+        _check(name, predicted, measured)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero1", "zero3"])
+def test_planner_halves_states_and_reductions_against_mixed_bf16(layout):
+    """Against mixed bf16 through `evaluate`: Adam's moments and the gradient reduction take half the bytes, and so
+    do parameters and gradients where mixed bf16 stores them in fp32 (ZeRO-1's half-precision replicas already are
+    bf16, and its fp32 masters go); activations stay as they are where mixed bf16 already computes from bf16
+    parameters, and shrink under DDP, whose autocast keeps fp32 residuals and bf16 weight copies."""
+    from shardwise.planner import cluster_preset, evaluate, spec_from_hf
+    from test_planner_measured import GPT2
+
+    spec = spec_from_hf({**GPT2.to_dict(), "n_embd": 1024, "n_layer": 8, "n_head": 16, "n_positions": 512}, "gpt2")
+    cluster = cluster_preset("local")
+    keys = {"ddp": {}, "zero1": {"shard_optimizer_state": True}, "zero3": {"sharded_data_parallel_degree": 2}}[layout]
+    mixed, pure = (evaluate(spec, cluster, {"bf16": True, **keys, **extra}, global_batch=8, seq=512)
+                   for extra in ({}, PURE))
+    high, low = mixed.memory, pure.memory
+    assert low.parameters == pytest.approx(high.parameters * (1 if layout == "zero1" else 0.5))
+    if layout != "zero1":  # ZeRO-1's mixed replicas send their bf16 gradients off bucket by bucket
+        assert low.gradients == pytest.approx(high.gradients / 2)
+    assert low.optimizer == pytest.approx(high.optimizer * 4 / (12 if layout == "zero1" else 8))
+    if layout == "ddp":
+        assert low.activations < high.activations
+    else:
+        assert low.activations == pytest.approx(high.activations)
+    reduced = [{c.name: c.bytes_per_step for c in e.time.collectives if c.name.startswith("gradient")}
+               for e in (mixed, pure)]
+    if layout != "zero1":  # ZeRO-1's mixed reduction already went to fp32 masters; pure's all-reduce is bf16
+        assert reduced[1] == {name: pytest.approx(nbytes / 2) for name, nbytes in reduced[0].items()}

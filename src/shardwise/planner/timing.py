@@ -30,9 +30,9 @@ from .efficiency import BlockSeconds, block_seconds, head_seconds
 from .hardware import ClusterSpec, DeviceSpec
 from .offload import activation_transfers, host_states, state_transfers
 from .spec import ModelSpec
-from .wrapping import (FP32_BYTES, REDUCE_BYTES, compute_bytes, cross_group_bytes, first_broadcast_bucket,
-                       fully_sharded, numerics, optimizer_share, reduce_buckets, replicated_by_fsdp, sharding_ranks,
-                       stored_bytes)
+from .wrapping import (compute_bytes, cross_group_bytes, first_broadcast_bucket, fully_sharded, master_bytes,
+                       moment_bytes, numerics, optimizer_share, reduce_buckets, reduce_bytes, replicated_by_fsdp,
+                       sharding_ranks, stored_bytes)
 
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
@@ -141,7 +141,7 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     """
     stage = config.effective_zero_stage
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
-    grads = REDUCE_BYTES * rank_params
+    grads = reduce_bytes(config, layout) * rank_params
     if stage <= 1:
         if config.sharded_master_weights:
             when = "sync" if Decisions(config, layout).pipelining else "backward"
@@ -243,10 +243,10 @@ def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float, ro
 
 def _optimizer_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
                        rank_params: float) -> float:
-    """Adam's update is memory-bound: read and write moments and the fp32 parameter (or master), read the
-    fp32 gradient; the busiest rank's share of them, in host memory when the states are offloaded."""
-    updated = rank_params * optimizer_share(spec, config, layout)
-    touched = updated * (2 * (A.OPTIMIZER_STATE_BYTES + FP32_BYTES) + FP32_BYTES)
+    """Adam's update is memory-bound: read and write moments and the parameter (or master), read the gradient, all
+    fp32 (bf16 under pure bf16); the busiest rank's share of them, in host memory when the states are offloaded."""
+    updated, stepped = rank_params * optimizer_share(spec, config, layout), master_bytes(config)
+    touched = updated * (2 * (moment_bytes(config) + stepped) + stepped)
     on_host = host_states(config, cluster.device)
     return touched / (A.HOST_OPTIMIZER_BANDWIDTH if on_host else cluster.device.memory_bandwidth)
 

@@ -52,7 +52,6 @@ from .activations import Numerics
 from .spec import ModelSpec
 
 FP32_BYTES = 4
-REDUCE_BYTES = FP32_BYTES  # gradients are reduced in fp32 in every mode
 _LOW_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -61,22 +60,39 @@ def compute_bytes(config: ShardwiseConfig) -> int:
     return _LOW_BYTES[config.dtype_name]
 
 
+def master_bytes(config: ShardwiseConfig) -> int:
+    """Bytes per element of what the optimizer steps (parameters, or ZeRO-1's masters) and of its states' dtype:
+    fp32, except under pure bf16, which keeps no fp32 copy."""
+    return compute_bytes(config) if config.pure_bf16 else FP32_BYTES
+
+
+def reduce_bytes(config: ShardwiseConfig, layout: Layout) -> int:
+    """Bytes per element of a gradient reduction over the data-parallel ranks: fp32, bf16 under pure bf16."""
+    return _LOW_BYTES[Decisions(config, layout).reduce_dtype]
+
+
 def cross_group_bytes(config: ShardwiseConfig, layout: Layout) -> int:
     """Bytes per element of MiCS's gradient all-reduce across partition groups: `cross_group_reduce_dtype`'s
     where shardwise runs it (parallel/sharding/mics.py), fp32 under a pipeline, where FSDP2's hybrid sharding does."""
     cross_group = Decisions(config, layout).cross_group
-    return _LOW_BYTES[cross_group.dtype] if cross_group is not None else REDUCE_BYTES
+    return _LOW_BYTES[cross_group.dtype] if cross_group is not None else reduce_bytes(config, layout)
 
 
 def stored_bytes(config: ShardwiseConfig) -> int:
-    """Bytes per stored parameter and per gradient: the compute dtype on ZeRO-1's half-precision replicas,
-    else fp32 (DDP's gradients of fp32 parameters, FSDP2's reduced in fp32)."""
-    return compute_bytes(config) if config.sharded_master_weights else FP32_BYTES
+    """Bytes per stored parameter and per gradient: the compute dtype on ZeRO-1's half-precision replicas and
+    under pure bf16, else fp32 (DDP's gradients of fp32 parameters, FSDP2's reduced in fp32)."""
+    return compute_bytes(config) if config.sharded_master_weights or config.pure_bf16 else FP32_BYTES
 
 
 def optimizer_bytes(config: ShardwiseConfig) -> int:
-    """Bytes per parameter the optimizer keeps: Adam's moments, plus ZeRO-1's fp32 master in bf16/fp16."""
-    return A.OPTIMIZER_STATE_BYTES + (FP32_BYTES if config.sharded_master_weights else 0)
+    """Bytes per parameter the optimizer keeps: Adam's moments (in bf16 under pure bf16, as torch keeps them in
+    the parameters' dtype), plus ZeRO-1's fp32 master in mixed bf16/fp16."""
+    return moment_bytes(config) + (FP32_BYTES if config.sharded_master_weights else 0)
+
+
+def moment_bytes(config: ShardwiseConfig) -> int:
+    """Bytes per parameter of Adam's moments, in the dtype of what the optimizer steps."""
+    return A.OPTIMIZER_STATE_BYTES * master_bytes(config) // FP32_BYTES
 
 
 def fully_sharded(config: ShardwiseConfig) -> bool:
@@ -159,7 +175,7 @@ def reduce_buckets(spec: ModelSpec, layout: Layout) -> Buckets:
 
 def in_flight_bucket_bytes(spec: ModelSpec, layout: Layout) -> float:
     """ZeRO-1's fp32 gradient buckets in flight at once during backward (bf16/fp16, or offloaded masters)."""
-    return REDUCE_BYTES * IN_FLIGHT * reduce_buckets(spec, layout).largest
+    return FP32_BYTES * IN_FLIGHT * reduce_buckets(spec, layout).largest
 
 
 def first_broadcast_bucket(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> tuple[float, int]:
@@ -188,15 +204,16 @@ def optimizer_share(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) ->
 
 
 def optimizer_step_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, host: bool) -> float:
-    """fp32 temporaries of the busiest rank's Adam step (assumptions.py): on a CPU (`host`) two copies of the
-    largest tensor it steps (FSDP2 steps shards of it, ZeRO-1 and DDP whole tensors), elsewhere one of all."""
+    """Temporaries of the busiest rank's Adam step (assumptions.py), in the dtype it steps (fp32; bf16 under pure
+    bf16): on a CPU (`host`) two copies of the largest tensor it steps (FSDP2 steps shards of it, ZeRO-1 and DDP
+    whole tensors), elsewhere one of all."""
     if host:
         largest = max(spec.stage_tensors(layout.pp)) / layout.tp
         if fully_sharded(config):
             largest /= sharding_ranks(layout)
-        return A.STEP_COPIES_PER_TENSOR_HOST * FP32_BYTES * largest
+        return A.STEP_COPIES_PER_TENSOR_HOST * master_bytes(config) * largest
     stepped = spec.stage_parameters(layout.pp) / layout.tp * optimizer_share(spec, config, layout)
-    return A.STEP_COPIES_FOREACH * FP32_BYTES * stepped
+    return A.STEP_COPIES_FOREACH * master_bytes(config) * stepped
 
 
 def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
@@ -237,19 +254,19 @@ def root_unit_parameters(spec: ModelSpec, layout: Layout) -> float:
 
 
 def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int) -> float:
-    """DDP's fp32 bucket copy of every gradient; FSDP2's unsharded block gradients and their fp32
-    reduce-scatter input beside the root unit's unsharded gradients (then their reduce-scatter input);
-    ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16; pipeline send/receive buffers."""
-    low = compute_bytes(config)
+    """DDP's bucket copy of every gradient; FSDP2's unsharded block gradients and their reduce-scatter input
+    beside the root unit's unsharded gradients (then their reduce-scatter input), reduced in fp32 (bf16 under pure
+    bf16); ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16; pipeline send/receive buffers."""
+    low, reduced = compute_bytes(config), reduce_bytes(config, layout)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
     if fully_sharded(config):
         block, root = spec.layer_parameters / layout.tp, root_unit_parameters(spec, layout) / layout.tp
-        buffers = root * low + max(block * (low + REDUCE_BYTES), root * REDUCE_BYTES)
+        buffers = root * low + max(block * (low + reduced), root * reduced)
     elif config.sharded_master_weights:
-        master_gradients = REDUCE_BYTES * rank_params * optimizer_share(spec, config, layout)
+        master_gradients = reduced * rank_params * optimizer_share(spec, config, layout)
         buffers = master_gradients + in_flight_bucket_bytes(spec, layout)
     else:
-        buffers = REDUCE_BYTES * rank_params if gradient_ranks(layout) > 1 else 0.0
+        buffers = reduced * rank_params if gradient_ranks(layout) > 1 else 0.0
     if Decisions(config, layout).pipelining:
         buffers += 2 * micro_batch * seq / layout.cp * spec.boundary_elements(layout.pp) * low  # a cp share
     return buffers
