@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 from torch import nn
 
+from ..experts import load_balancing_of
 from ..mesh import ParallelMesh
 from ..materialize import place
 from ..strategy import OptimizerBinding
@@ -67,6 +68,8 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSetti
     plan = stage_plan(model, tp_plan, tp) if tp > 1 else None
     split_part(model, [stage.module for stage in stages], plan,
                ends=[stage.module for stage in stages if stage.is_last])
+    for stage in stages:  # the load-balancing sums over every stage's layers, installed on the model by split_part
+        stage.carry = load_balancing_of(model)
     wrapped = []
     for stage in stages:
         # A schedule that splits backward in two needs a stage's gathered parameters between the halves.

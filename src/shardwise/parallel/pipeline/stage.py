@@ -15,6 +15,11 @@ hooks make it a stage:
   stand-ins whose outputs cost no memory (a `labels` input is not passed there,
   so a Hugging Face model computes its loss on the last stage only).
 
+A model whose forward sums something over every layer (a mixture of experts'
+load-balancing statistics) has a `carry` (experts/load_balancing.py): each stage
+before the last sends its running sums after the hidden states, and the next
+stage takes them off before the blocks see what it received.
+
 Of a block returning a tuple, only the first element is sent (a Hugging Face
 block's hidden states), unless the block's class sets `SENDS_WHOLE_OUTPUT`
 (`shardwise.deepspeed.pipe`'s layers, which pass tuples of tensors from layer
@@ -120,6 +125,7 @@ class StageModule(nn.Module):
         self._forwarding = False  # inside this stage's forward (not a checkpointed region's recomputation)
         self._template: tuple[Any, list[Any]] | None = None
         self.precision: Callable[[], ContextManager] = contextlib.nullcontext
+        self.carry: Any = None  # sums passed on beside the hidden states (module docstring), when the model has them
 
     def install_hooks(self) -> None:
         """Call after data-parallel wrapping: the swap must run before FSDP's own pre-hook casts the inputs."""
@@ -142,13 +148,17 @@ class StageModule(nn.Module):
         self._sent = output[0] if isinstance(output, (tuple, list)) and not whole else output
 
     def forward(self, *received: torch.Tensor, **inputs: Any) -> Any:
+        carried = None
+        if self.carry is not None and received:
+            *received, carried = received
         # Several tensors received: a block that sends its whole output sent a tuple (see SENDS_WHOLE_OUTPUT).
-        self._received = (received[0] if len(received) == 1 else received) if received else None
+        self._received = (received[0] if len(received) == 1 else tuple(received)) if received else None
         if not self.is_last:
             inputs.pop("labels", None)
         self._forwarding = True
         try:
-            with self.precision():
+            with self.precision(), (self.carry.stage(carried, self.is_last) if self.carry is not None
+                                    else contextlib.nullcontext()):
                 outputs = self.module(**inputs)
         finally:
             self._received, self._forwarding = None, False
@@ -162,6 +172,9 @@ class StageModule(nn.Module):
                 raise TypeError(f"pipeline stage {self.index} sends its last block's output ({kinds}) to stage "
                                 f"{self.index + 1}, and only tensors pass between stages; fix: return tensors only "
                                 "from the block, rebuilding the rest on the next stage")
+            if self.carry is not None:
+                sums = self.carry.sent((sent[0] if isinstance(sent, (tuple, list)) else sent).device)
+                sent = (*sent, sums) if isinstance(sent, (tuple, list)) else (sent, sums)
             return tuple(sent) if isinstance(sent, list) else sent
         leaves, spec = tree_flatten(outputs)
         self._template = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])

@@ -1,0 +1,96 @@
+"""A mixture-of-experts model's own loss under a pipeline: the load-balancing loss over every stage's layers.
+
+The model's load-balancing loss sums its router statistics over all layers, and a pipeline stage runs only
+its own: each stage passes its running sums on beside the hidden states (experts/load_balancing.py). Tiny
+Mixtral trains 3 AdamW steps on 4 gloo ranks, 2 stages × 2 data-parallel ranks, 2 microbatches a step, on
+the loss it computes from `labels=` (cross entropy plus the weighted load-balancing loss), with EP 2 under
+ZeRO-3 and without EP under DDP. One process is the reference: the same global microbatches run one after the
+other with their gradients accumulated, as `@sw.step` runs them. The mean loss, every rank's load-balancing
+loss and every whole parameter match it within 1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+import test_expert_parallel as experts_tests
+from shardwise.testing import run_distributed
+from tiny_models import dataset, relative_error
+
+WORLD, DP, ROWS, MICROBATCHES, STEPS = 4, 2, 4, 2, 3  # ROWS per data-parallel rank and step
+CONFIGS = {
+    "pp2-zero3-ep2": {"pipeline_parallel_degree": 2, "sharded_data_parallel_degree": DP,
+                      "expert_parallel_degree": 2, "microbatches": MICROBATCHES},
+    "pp2-ddp": {"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES},
+}
+
+
+def _batches() -> tuple[torch.Tensor, torch.Tensor]:
+    return dataset("llama", STEPS * DP * ROWS).tensors
+
+
+@functools.cache
+def reference() -> dict:
+    """One process: per step, microbatch m joins every data-parallel rank's m-th microbatch; each microbatch's loss
+    from labels, divided by their count, is backpropagated before the optimizer steps."""
+    model = experts_tests._model("mixtral")
+    optimizer = experts_tests._optimizer(model)
+    inputs, targets = _batches()
+    per = ROWS // MICROBATCHES
+    losses, aux = [], []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        step_losses, step_aux = [], []
+        for m in range(MICROBATCHES):
+            rows = torch.cat([torch.arange(per) + step * DP * ROWS + rank * ROWS + m * per for rank in range(DP)])
+            output = model(input_ids=inputs[rows], labels=targets[rows])
+            (output.loss / MICROBATCHES).backward()
+            step_losses.append(output.loss.item())
+            step_aux.append(output.aux_loss.item())
+        optimizer.step()
+        losses.append(sum(step_losses) / MICROBATCHES)
+        aux.append(sum(step_aux) / MICROBATCHES)
+    return {"losses": losses, "aux": aux, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train(config: dict) -> dict:
+    """One rank: the model's loss from labels through the pipeline; the mean loss over the data-parallel ranks, this
+    rank's load-balancing loss per step and the whole parameters."""
+    sw.init(config)
+    model = sw.DistributedModel(experts_tests._model("mixtral"))
+    optimizer = sw.DistributedOptimizer(experts_tests._optimizer(model))
+
+    @sw.step
+    def train_step(model, input_ids, labels):
+        output = model(input_ids=input_ids, labels=labels)
+        model.backward(output.loss)
+        return output.loss, output.aux_loss.detach()
+
+    inputs, targets = _batches()
+    losses, aux = [], []
+    for step in range(STEPS):
+        mine = slice(step * DP * ROWS + sw.dp_rank() * ROWS, step * DP * ROWS + (sw.dp_rank() + 1) * ROWS)
+        loss, balance = train_step(model, inputs[mine], targets[mine])
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = torch.as_tensor(loss.reduce_mean()).detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / sw.size())
+        aux.append(float(balance.reduce_mean()))
+    return {"losses": losses, "aux": aux, "state": model.full_state_dict()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_models_own_loss_under_a_pipeline_is_one_processs(name):
+    want = reference()
+    for got in run_distributed(train, WORLD, CONFIGS[name], timeout=600):
+        assert got["losses"] == pytest.approx(want["losses"], rel=experts_tests.TOLERANCE)
+        assert got["aux"] == pytest.approx(want["aux"], rel=experts_tests.TOLERANCE)
+        assert got["state"].keys() == want["state"].keys()
+        for key, tensor in want["state"].items():
+            assert relative_error(got["state"][key], tensor) <= experts_tests.TOLERANCE, key
