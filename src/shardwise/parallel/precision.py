@@ -6,6 +6,8 @@ Which mode a model gets is decided once, in `config/decisions.py`
 forward for DDP and a lone replica, which keep fp32 parameters; ZeRO-1's replicas
 stored in the compute dtype, computing as FSDP2 does (`store_in_compute_dtype`),
 with fp32 masters of each rank's share kept by the optimizer (zero1/master_weights.py).
+Pure bf16 stores every wrapping's parameters in bf16 the same way, with no masters:
+gradients, their reduction and the optimizer's states follow the stored dtype.
 fp16 adds loss scaling whose overflow check agrees across every rank: torch's
 dynamic rule, or the one SMP's DistributedOptimizer arguments ask for (`ScalingRule`).
 """
