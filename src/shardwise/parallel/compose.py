@@ -38,7 +38,8 @@ from .context import apply_context_parallel
 from .context.batch import split_sequences
 from .materialize import has_meta, mesh_device, place, unit_materialiser
 from .param_mapping import OriginalNames, adopt_model_parameters
-from .pipeline import GraphPipeline, PipelineSettings, apply_pipeline, has_block_list
+from .pipeline.partition import has_block_list
+from .pipeline.settings import PipelineSettings
 from .recompute import apply_activation_checkpointing, checkpoint_in_groups, checkpointed, group_size
 from .recompute.offload import OffloadSchedule, first_step_check, schedule_for_device
 from .sharding import HostOffload, apply_data_parallel
@@ -70,8 +71,12 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ShardwiseConfig, 
             raise ValueError(f"expert parallelism: {type(module).__name__} has no block list, and a pipeline cut "
                              "from its module graph keeps no experts modules; fix: give it a list of blocks (an "
                              "nn.ModuleList), or set expert_parallel_degree to 1")
+        from .pipeline.graph import GraphPipeline  # torch's pipelining is imported by pipelines only
+
         return GraphPipeline(module, mesh, pipeline_settings(decisions), wrap, zero1, tp_plan=tp_plan)
     if decisions.pipelining:  # cuts the model into stages, then the same steps per stage
+        from .pipeline.apply import apply_pipeline  # torch's pipelining is imported by pipelines only
+
         return apply_pipeline(module, mesh, pipeline_settings(decisions), tp_plan, split, wrap, zero1)
     if decisions.materialises_per_unit(has_meta(module)):
         # delayed initialisation under ZeRO-2/3 and MiCS: each unit is materialised just before it is sharded. No

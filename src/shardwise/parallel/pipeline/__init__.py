@@ -6,14 +6,26 @@
 Stages are built from the user's own module (its forward runs unchanged), the
 schedules are torch.distributed.pipelining's. A model without a list of blocks is
 cut from its module graph at the first @step instead (graph.py). See docs/pipeline.md.
+
+What runs stages loads with its module on first use: torch.distributed.pipelining takes about a second to
+import, which a run without a pipeline never pays.
 """
 
-from .apply import apply_pipeline
-from .graph import GraphPipeline
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .partition import Partition, find_blocks, has_block_list, partition
-from .runner import PipelineParallel
-from .schedule import SCHEDULES, stage_ranks
 from .settings import PipelineSettings
 
-__all__ = ["SCHEDULES", "GraphPipeline", "Partition", "PipelineParallel", "PipelineSettings", "apply_pipeline", "find_blocks",
-           "has_block_list", "partition", "stage_ranks"]
+_EXPORTS = {"apply_pipeline": "apply", "GraphPipeline": "graph", "PipelineParallel": "runner",
+            "SCHEDULES": "schedule", "stage_ranks": "schedule"}
+
+__all__ = sorted([*_EXPORTS, "Partition", "PipelineSettings", "find_blocks", "has_block_list", "partition"])
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
