@@ -76,6 +76,9 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
                      "microbatches": 2}),
     # experts over the 2 cp ranks of ZeRO-3's sharding group (dp_shard × cp = expert_shard × ep), sequences over cp
     "cp-ep": (4, 4, {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2}),
+    # pure bf16 (bf16 parameters, gradients, reductions and optimizer states, no fp32 master) in pipeline stages,
+    # each stage's parameters stored in bf16; with the bf16 precision only, against the fp32 process
+    "pp-pure-bf16": (4, 4, {"pipeline_parallel_degree": 2, "microbatches": 2, "bf16_master_weights_and_grads": True}),
 }
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 # What moves to host memory: nothing, the optimizer's states (and what it steps), or checkpointed regions' inputs.
@@ -111,6 +114,7 @@ VARIANT_ROWS = [
     ("tp-ep", "mixtral", "fp16", True, "none", "before", False, "none"),
     ("pp-ep", "mixtral", "bf16", True, "each", "after", True, "none"),
     ("cp-ep", "mixtral", "bf16", True, "each", "before", True, "none"),
+    ("pp-pure-bf16", "llama", "bf16", True, "each", "after", True, "none"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {
