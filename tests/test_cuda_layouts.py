@@ -1,0 +1,111 @@
+"""CUDA tier: the main layouts at world size 1 on a real device, against one plain CPU process.
+
+One rank on the accelerator (the harness gives it the device and its backend,
+NCCL on CUDA) runs the seed's loop through shardwise, so FSDP2's device code,
+its mixed-precision casts and fp16's loss scaler on the device all execute. fp32
+runs match a plain CPU process to 1e-4 (another device's summation order; TF32 is
+off by default); bf16 and fp16 to their rounding, as test_same_math.py holds DDP in
+bf16. Skipped, saying so, where torch sees no CUDA device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.testing import run_distributed
+from tiny_models import blocks, build, dataset, make_optimizer, relative_error, seed_step, train_reference
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tier: torch sees no CUDA device")]
+
+ROWS, STEPS = 4, 3
+FP32_TOLERANCE = 1e-4
+HALF_TOLERANCE = {"losses": 1e-2, "parameters": 2e-2}
+# ZeRO-1 in bf16 steps bf16 replicas: a small bias drifts most (8e-2 relative measured on one CPU process).
+ZERO1_BF16_PARAMETERS = 0.15
+
+LAYOUTS = {
+    "ddp": {},
+    "zero1": {"shard_optimizer_state": True},
+    "zero2": {"zero_stage": 2, "sharded_data_parallel_degree": 1},
+    "zero3": {"sharded_data_parallel_degree": 1},
+    "ddp-microbatches": {"microbatches": 2},
+    "zero3-clipping": {"sharded_data_parallel_degree": 1, "gradient_clipping": 0.5},
+    "zero3-checkpointing": {"sharded_data_parallel_degree": 1},
+}
+HALF = {
+    "ddp-bf16": {"bf16": True},
+    "zero1-bf16": {"shard_optimizer_state": True, "bf16": True},
+    "zero3-bf16": {"sharded_data_parallel_degree": 1, "bf16": True},
+    "ddp-fp16": {"fp16": True},
+    "zero3-fp16": {"sharded_data_parallel_degree": 1, "fp16": True},
+}
+
+
+def train_on_device(kind: str, config: dict, checkpointing: bool) -> dict:
+    """The seed's loop on this rank's accelerator: losses, whole parameters (on the CPU), where things lived."""
+    sw.init(config)
+    model = sw.DistributedModel(build(kind, freeze_key_bias=True))
+    if checkpointing:
+        for block in blocks(model.get_module()):
+            sw.set_activation_checkpointing(block)
+    optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    train_step = seed_step(kind)
+    losses = []
+    for inputs, targets in sw.data_loader(dataset(kind, STEPS * ROWS), batch_size=ROWS, shuffle=False):
+        optimizer.zero_grad()
+        losses.append(train_step(model, inputs, targets).reduce_mean().item())
+        optimizer.step()
+    scaler = optimizer.loss_scaler
+    return {"losses": losses,
+            "state": {k: v.detach().cpu() for k, v in model.full_state_dict().items()},
+            "parameter_devices": sorted({p.device.type for p in model.parameters()}),
+            "scaler_device": None if scaler is None else scaler._scale.device.type,
+            "loss_scale": None if scaler is None else optimizer.loss_scale}
+
+
+@functools.cache
+def reference(kind: str, clip: float | None) -> dict:
+    return train_reference(kind, "adamw", STEPS, ROWS, clip)
+
+
+def _worst(got: dict, want: dict) -> tuple[str, float]:
+    errors = {name: relative_error(got[name], value) for name, value in want.items()}
+    worst = max(errors, key=errors.get)
+    return worst, errors[worst]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_fp32_on_the_device_trains_as_one_cpu_process(kind, layout):
+    config = LAYOUTS[layout]
+    [got] = run_distributed(train_on_device, 1, kind, config, layout.endswith("checkpointing"), timeout=300)
+    want = reference(kind, config.get("gradient_clipping"))
+    assert got["parameter_devices"] == ["cuda"]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=FP32_TOLERANCE,
+                               atol=0)
+    name, error = _worst(got["state"], want["state"])
+    assert error <= FP32_TOLERANCE, f"{name} differs by {error:.2e} (relative)"
+
+
+@pytest.mark.parametrize("layout", HALF)
+def test_half_precision_on_the_device_stays_within_its_rounding(layout):
+    """FSDP2's MixedPrecisionPolicy (ZeRO-3), autocast (DDP) and ZeRO-1's half replicas on the device; fp16 with
+    its loss scaler's state on the device, the scale still finite and positive after the steps."""
+    config = LAYOUTS["ddp"] | HALF[layout]
+    [got] = run_distributed(train_on_device, 1, "gpt2", config, False, timeout=300)
+    want = reference("gpt2", None)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                               rtol=HALF_TOLERANCE["losses"], atol=0)
+    name, error = _worst(got["state"], want["state"])
+    tolerance = ZERO1_BF16_PARAMETERS if layout == "zero1-bf16" else HALF_TOLERANCE["parameters"]
+    assert error <= tolerance, f"{name} differs by {error:.2e} (relative)"
+    if config.get("fp16"):
+        assert got["scaler_device"] == "cuda"
+        assert 0 < got["loss_scale"] < float("inf")
+    else:
+        assert got["scaler_device"] is None

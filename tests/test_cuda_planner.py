@@ -1,0 +1,131 @@
+"""CUDA tier: the memory planner against the CUDA caching allocator, for GPT-2 and Llama at several layouts.
+
+The second AdamW step of a GPT-2 and a Llama (hidden 512, 4 layers: large enough
+that the allocator's 512-byte rounding is noise) trained through shardwise on one
+rank of the device, measured as test_planner_measured.py measures CPU ranks:
+MemTracker's categories (on the device's memory) within ±10 % for the model
+states and ±25 % for the activations, and the step's peak — here
+`torch.cuda.max_memory_allocated` — at most the predicted tensor total and within
+25 % of it. `max_memory_reserved` (what the allocator holds, fragmentation
+included) must stay under the predicted total, whose runtime reserve covers it.
+The kernel facts are a GPU's (the H100 preset's: flash attention, bool dropout masks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import test_planner_measured as cpu_check
+from shardwise.config import parse_config
+from shardwise.config.layout import layout_for
+from shardwise.planner import predict_memory, spec_from_hf
+from shardwise.planner.hardware import DEVICES
+from shardwise.testing import run_distributed
+from shardwise.topology import Cluster
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tier: torch sees no CUDA device")]
+
+BATCH, SEQ, VOCAB = 4, 256, 8192
+GPU = DEVICES["H100-SXM5-80GB"]
+MODELS = {
+    "gpt2": (transformers.GPT2LMHeadModel,
+             transformers.GPT2Config(n_layer=4, n_embd=512, n_head=8, vocab_size=VOCAB, n_positions=SEQ,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "llama": (transformers.LlamaForCausalLM,
+              transformers.LlamaConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                       num_key_value_heads=4, intermediate_size=1408, vocab_size=VOCAB,
+                                       max_position_embeddings=SEQ)),
+}
+LAYOUTS = {
+    "DDP": {},
+    "ZeRO-1": {"shard_optimizer_state": True},
+    "ZeRO-3": {"sharded_data_parallel_degree": 1},
+    "DDP bf16": {"bf16": True},
+    "ZeRO-3 bf16": {"sharded_data_parallel_degree": 1, "bf16": True},
+}
+
+
+def _device_categories(tracker, kind: str) -> dict:
+    """MemTracker's categories on this rank's accelerator (test_planner_measured reads the CPU's)."""
+    device = torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    snapshot = tracker.get_tracker_snapshot(kind).get(device, {})
+    return {getattr(k, "name", k): v for k, v in snapshot.items()}
+
+
+def measure_on_device(family: str, config: dict) -> dict:
+    """This rank's memory in the second step, by MemTracker's categories and by the caching allocator."""
+    import shardwise as sw
+    from shardwise.runtime import state
+
+    cpu_check._categories = _device_categories  # the same StepMemory, reading the device's memory
+    sw.init(config)
+    torch.manual_seed(0)
+    model_class, hf_config = MODELS[family]
+    model = sw.DistributedModel(model_class(hf_config))
+    cpu_check.StepMemory.watch(model.parameters())
+    optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    allocator = {}
+
+    @sw.step
+    def train_step(model, batch, memory):
+        loss = model(**batch).loss
+        if memory:
+            memory.forward_done()
+        model.backward(loss)
+        if memory:
+            memory.backward_done()
+        return loss
+
+    def train(memory):
+        if memory:
+            torch.accelerator.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        optimizer.zero_grad()
+        train_step(model, batch, memory)
+        optimizer.step()
+        if memory:
+            torch.accelerator.synchronize()
+            allocator.update(allocated=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved())
+
+    parameters = {id(p) for p in model.parameters()}
+    masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in parameters]
+    measured = cpu_check.StepMemory.of_second_step(train, model, optimizer.optimizer, *masters)
+    state.set_current(None)
+    return {**measured, **allocator}
+
+
+def measure_all(cases: list[tuple[str, str]]) -> dict:
+    return {f"{family} {name}": measure_on_device(family, LAYOUTS[name]) for family, name in cases}
+
+
+CASES = [(family, name) for family in MODELS for name in LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def device_runs() -> dict:
+    [runs] = run_distributed(measure_all, 1, CASES, timeout=540)
+    return runs
+
+
+@pytest.mark.parametrize("family, name", CASES, ids=[f"{f}-{n}" for f, n in CASES])
+def test_predicted_memory_matches_the_caching_allocator(family, name, device_runs):
+    config = parse_config(LAYOUTS[name])
+    predicted = predict_memory(spec_from_hf(MODELS[family][1].to_dict(), family), config,
+                               layout_for(config, Cluster(1, 1)), BATCH, SEQ, device=GPU)
+    measured = device_runs[f"{family} {name}"]
+    summary = {**predicted.detail(), "peak": predicted.tensors}
+    report = ", ".join(f"{k} {summary[k] / 2**20:,.1f}/{measured[k] / 2**20:,.1f} MiB "
+                       f"({summary[k] / max(measured[k], 1) - 1:+.1%})"
+                       for k in (*cpu_check.STATES, "activations", "peak"))
+    print(f"\n{family} {name}: {report}; allocator peak {measured['allocated'] / 2**20:,.1f} MiB, "
+          f"reserved {measured['reserved'] / 2**20:,.1f} MiB, predicted total {predicted.total / 2**20:,.1f} MiB")
+    for category in cpu_check.STATES:
+        assert summary[category] == pytest.approx(measured[category], rel=0.10), f"{category}: {report}"
+    assert summary["activations"] == pytest.approx(measured["activations"], rel=0.25), report
+    assert measured["allocated"] <= predicted.tensors <= 1.25 * measured["allocated"], report
+    assert measured["reserved"] <= predicted.total, report

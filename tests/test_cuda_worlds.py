@@ -1,0 +1,142 @@
+"""CUDA tier: several ranks on one device, with the backends that allow it.
+
+NCCL refuses two ranks on one GPU; gloo moves CUDA tensors for some
+collectives (through host staging). With fewer devices than ranks the harness
+starts a gloo world, and shardwise puts every rank on the device it has. The
+first test tries each collective shardwise's layouts use on CUDA tensors and
+prints what worked (`pytest -s`, or the check's log, shows the table); the
+next trains ZeRO-3 on two ranks of the one device, reported as skipped with
+gloo's own words where gloo lacks a collective FSDP2 needs; the last shows NCCL's
+refusal. With a device per rank the harness gives every rank NCCL instead, and
+these tests say they are for one device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise.testing import run_distributed
+from tiny_models import build, dataset, make_optimizer, relative_error, seed_step, train_reference
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tier: torch sees no CUDA device"),
+              pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() >= 2,
+                                 reason="several ranks on one device: this machine has a device per rank")]
+
+WORLD, ROWS, STEPS = 2, 2, 3
+TOLERANCE = 1e-4
+
+
+def _refusal(error: Exception) -> str:
+    """A backend's refusal in one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines() or [""]
+    return f"{type(error).__name__}: {lines[0][:160]}"
+
+
+def _outcome(run) -> str:
+    try:
+        return "ok" if run() else "wrong result"
+    except Exception as error:
+        return _refusal(error)
+
+
+def collectives_on_cuda_tensors() -> dict[str, str]:
+    """Each collective on CUDA tensors over the world's gloo group: "ok", "wrong result" or the error."""
+    rank, device = dist.get_rank(), torch.device("cuda", 0)
+    mine = torch.full((4,), float(rank + 1), device=device)
+    total = float(sum(range(1, WORLD + 1)))
+
+    def all_reduce():
+        t = mine.clone()
+        dist.all_reduce(t)
+        return bool((t == total).all())
+
+    def broadcast():
+        t = mine.clone()
+        dist.broadcast(t, src=0)
+        return bool((t == 1).all())
+
+    def all_gather_into_tensor():
+        out = torch.empty(4 * WORLD, device=device)
+        dist.all_gather_into_tensor(out, mine)
+        return out.tolist() == [float(r + 1) for r in range(WORLD) for _ in range(4)]
+
+    def reduce_scatter_tensor():
+        out = torch.empty(4 // WORLD, device=device)
+        dist.reduce_scatter_tensor(out, mine)
+        return bool((out == total).all())
+
+    def all_to_all_single():
+        out = torch.empty(4, device=device)
+        dist.all_to_all_single(out, mine)
+        return out.tolist() == [float(r + 1) for r in range(WORLD) for _ in range(4 // WORLD)]
+
+    def send_recv():
+        if rank == 0:
+            dist.send(mine, dst=1)
+            return True
+        got = torch.empty(4, device=device)
+        dist.recv(got, src=0)
+        return bool((got == 1).all())
+
+    tries = {f.__name__: f for f in (all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor,
+                                     all_to_all_single, send_recv)}
+    results = {}
+    for name, run in tries.items():
+        results[name] = _outcome(run)
+        dist.barrier()  # a refused collective on one rank must not leave the other inside the next one
+    return results
+
+
+def test_gloo_collectives_on_cuda_tensors_report_what_works():
+    ranks = run_distributed(collectives_on_cuda_tensors, WORLD, timeout=180)
+    print("\ngloo over CUDA tensors, 2 ranks on one device:")
+    for name, outcome in ranks[0].items():
+        print(f"  {name:24s} {outcome}")
+    assert ranks[0] == ranks[1], ranks
+    assert "wrong result" not in ranks[0].values(), ranks[0]
+    assert ranks[0]["all_reduce"] == ranks[0]["broadcast"] == "ok"  # gloo documents both for CUDA tensors
+
+
+def train_zero3_on_one_device() -> dict:
+    try:
+        sw.init({"sharded_data_parallel_degree": WORLD})
+        model = sw.DistributedModel(build("gpt2", freeze_key_bias=True))
+        optimizer = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+        train_step = seed_step("gpt2")
+        losses = []
+        for inputs, targets in sw.data_loader(dataset("gpt2", STEPS * ROWS * WORLD), batch_size=ROWS,
+                                              shuffle=False):
+            optimizer.zero_grad()
+            losses.append(train_step(model, inputs, targets).reduce_mean().item())
+            optimizer.step()
+        return {"losses": losses, "state": {k: v.detach().cpu() for k, v in model.full_state_dict().items()}}
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        return {"refused": _refusal(error)}
+
+
+def test_zero3_on_two_ranks_of_one_device_over_gloo():
+    ranks = run_distributed(train_zero3_on_one_device, WORLD, timeout=240)
+    refused = [r["refused"] for r in ranks if "refused" in r]
+    if refused:
+        pytest.skip(f"ZeRO-3 on 2 ranks of one device over gloo: {refused[0]}")
+    want = train_reference("gpt2", "sgd", STEPS, ROWS * WORLD)
+    losses = torch.tensor([r["losses"] for r in ranks]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(want["losses"]), rtol=TOLERANCE, atol=0)
+    worst = max(relative_error(ranks[0]["state"][k], v) for k, v in want["state"].items())
+    assert worst <= TOLERANCE
+
+
+def nccl_on_one_device() -> str:
+    group = dist.new_group(backend="nccl")
+    t = torch.ones(1, device=torch.device("cuda", 0))
+    return _outcome(lambda: dist.all_reduce(t, group=group) or torch.accelerator.synchronize() or True)
+
+
+def test_nccl_refuses_two_ranks_on_one_device():
+    outcomes = run_distributed(nccl_on_one_device, WORLD, timeout=60)
+    print(f"\nNCCL, 2 ranks on one device: {outcomes}")
+    assert all(outcome != "ok" for outcome in outcomes), outcomes
