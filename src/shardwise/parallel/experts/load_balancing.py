@@ -30,6 +30,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ...torch_internals import all_reduce_sum
 
@@ -78,13 +79,26 @@ def _partial_sums(router_logits: tuple[torch.Tensor, ...], num_experts: int, top
     return torch.cat([counts, probabilities, rows])
 
 
+class _PlainGradient(torch.autograd.Function):
+    """Identity whose backward takes a DTensor gradient whole: the model adds this loss to its own, which tensor
+    parallelism's vocabulary-parallel cross entropy makes a DTensor, and autograd would bring its gradient here."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
 def _product(sums: torch.Tensor, num_experts: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """E · Σ_e f_e · P_e from `_partial_sums`' layout, the sums first added over `group`."""
     counts, probabilities, rows = sums[:num_experts].detach(), sums[num_experts:2 * num_experts], sums[-1].detach()
     if group is not None:
         counts, rows = all_reduce_sum(counts, group), all_reduce_sum(rows, group)
         probabilities = _SumOverGroup.apply(probabilities, group)
-    return torch.sum((counts / rows) * (probabilities / rows)) * num_experts
+    return _PlainGradient.apply(torch.sum((counts / rows) * (probabilities / rows)) * num_experts)
 
 
 class GlobalLoadBalancing:

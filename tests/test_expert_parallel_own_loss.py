@@ -1,12 +1,13 @@
-"""A mixture-of-experts model's own loss under a pipeline: the load-balancing loss over every stage's layers.
+"""A mixture-of-experts model's own loss from `labels=` under a pipeline and under tensor parallelism.
 
 The model's load-balancing loss sums its router statistics over all layers, and a pipeline stage runs only
-its own: each stage passes its running sums on beside the hidden states (experts/load_balancing.py). Tiny
-Mixtral trains 3 AdamW steps on 4 gloo ranks, 2 stages × 2 data-parallel ranks, 2 microbatches a step, on
-the loss it computes from `labels=` (cross entropy plus the weighted load-balancing loss), with EP 2 under
-ZeRO-3 and without EP under DDP. One process is the reference: the same global microbatches run one after the
-other with their gradients accumulated, as `@sw.step` runs them. The mean loss, every rank's load-balancing
-loss and every whole parameter match it within 1e-5.
+its own: each stage passes its running sums on beside the hidden states (experts/load_balancing.py). Under
+tensor parallelism the model adds that loss to a vocabulary-parallel cross entropy, a DTensor. Tiny Mixtral
+trains 3 AdamW steps on 4 gloo ranks, 2 microbatches a step, on the loss it computes from `labels=` (cross
+entropy plus the weighted load-balancing loss): 2 stages × 2 data-parallel ranks with EP 2 under ZeRO-3 and
+without EP under DDP, and TP 2 × EP 2 under ZeRO-3. One process is the reference: the same global microbatches
+run one after the other with their gradients accumulated, as `@sw.step` runs them. The mean loss, every rank's
+load-balancing loss and every whole parameter match it within 1e-5.
 """
 
 from __future__ import annotations
@@ -22,32 +23,36 @@ import test_expert_parallel as experts_tests
 from shardwise.testing import run_distributed
 from tiny_models import dataset, relative_error
 
-WORLD, DP, ROWS, MICROBATCHES, STEPS = 4, 2, 4, 2, 3  # ROWS per data-parallel rank and step
-CONFIGS = {
-    "pp2-zero3-ep2": {"pipeline_parallel_degree": 2, "sharded_data_parallel_degree": DP,
-                      "expert_parallel_degree": 2, "microbatches": MICROBATCHES},
-    "pp2-ddp": {"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES},
+WORLD, GLOBAL_ROWS, MICROBATCHES, STEPS = 4, 8, 2, 3  # GLOBAL_ROWS: one process's batch per step
+CONFIGS = {  # and the data-parallel ranks (tensor-parallel peers bring their own rows)
+    "pp2-zero3-ep2": ({"pipeline_parallel_degree": 2, "sharded_data_parallel_degree": 2,
+                       "expert_parallel_degree": 2, "microbatches": MICROBATCHES}, 2),
+    "pp2-ddp": ({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES}, 2),
+    "tp2-zero3-ep2": ({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2,
+                       "microbatches": MICROBATCHES}, 4),
 }
 
 
 def _batches() -> tuple[torch.Tensor, torch.Tensor]:
-    return dataset("llama", STEPS * DP * ROWS).tensors
+    return dataset("llama", STEPS * GLOBAL_ROWS).tensors
 
 
 @functools.cache
-def reference() -> dict:
-    """One process: per step, microbatch m joins every data-parallel rank's m-th microbatch; each microbatch's loss
-    from labels, divided by their count, is backpropagated before the optimizer steps."""
+def reference(dp: int) -> dict:
+    """One process: per step, microbatch m joins each of the `dp` data-parallel ranks' m-th microbatch; each
+    microbatch's loss from labels, divided by their count, is backpropagated before the optimizer steps."""
     model = experts_tests._model("mixtral")
     optimizer = experts_tests._optimizer(model)
     inputs, targets = _batches()
-    per = ROWS // MICROBATCHES
+    rows_per_rank = GLOBAL_ROWS // dp
+    per = rows_per_rank // MICROBATCHES
     losses, aux = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
         step_losses, step_aux = [], []
         for m in range(MICROBATCHES):
-            rows = torch.cat([torch.arange(per) + step * DP * ROWS + rank * ROWS + m * per for rank in range(DP)])
+            rows = torch.cat([torch.arange(per) + step * GLOBAL_ROWS + rank * rows_per_rank + m * per
+                              for rank in range(dp)])
             output = model(input_ids=inputs[rows], labels=targets[rows])
             (output.loss / MICROBATCHES).backward()
             step_losses.append(output.loss.item())
@@ -72,9 +77,10 @@ def train(config: dict) -> dict:
         return output.loss, output.aux_loss.detach()
 
     inputs, targets = _batches()
+    rows = GLOBAL_ROWS // sw.dp_size()
     losses, aux = [], []
     for step in range(STEPS):
-        mine = slice(step * DP * ROWS + sw.dp_rank() * ROWS, step * DP * ROWS + (sw.dp_rank() + 1) * ROWS)
+        mine = slice(step * GLOBAL_ROWS + sw.dp_rank() * rows, step * GLOBAL_ROWS + (sw.dp_rank() + 1) * rows)
         loss, balance = train_step(model, inputs[mine], targets[mine])
         optimizer.step()
         optimizer.zero_grad()
@@ -86,9 +92,10 @@ def train(config: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_the_models_own_loss_under_a_pipeline_is_one_processs(name):
-    want = reference()
-    for got in run_distributed(train, WORLD, CONFIGS[name], timeout=600):
+def test_the_models_own_loss_is_one_processs(name):
+    config, dp = CONFIGS[name]
+    want = reference(dp)
+    for got in run_distributed(train, WORLD, config, timeout=600):
         assert got["losses"] == pytest.approx(want["losses"], rel=experts_tests.TOLERANCE)
         assert got["aux"] == pytest.approx(want["aux"], rel=experts_tests.TOLERANCE)
         assert got["state"].keys() == want["state"].keys()
