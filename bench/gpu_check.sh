@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The device check: on a machine with a CUDA GPU and no package index, install shardwise beside the machine's own
+# torch (never touching it), run the CUDA tier of the suite, then bench/gpu_check.py's ~1B Llama benchmark.
+# Needs the wheels bench/gpu_wheels.sh downloads into .gpu_wheels/. Writes into RESULTS: env.txt (GPU, driver,
+# torch), cuda_tier.log and cuda_tier.xml (pytest -m cuda), bench.log, gpu_check.json and gpu_check.md.
+# Sized for under 8 minutes on one H200 (each part has its own time limit). DEVELOPERS.md says how to run it.
+# Usage, from the repository root: bash bench/gpu_check.sh RESULTS
+set -uo pipefail
+RESULTS=${1:?usage: bash bench/gpu_check.sh RESULTS}
+cd "$(dirname "$0")/.."
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+
+# What the machine lacks, as wheels; shardwise itself from this tree without its dependencies (torch stays).
+SITE=/tmp/shardwise-site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .gpu_wheels/*.whl || { echo "gpu_check: the wheels did not install (run bench/gpu_wheels.sh first)"; exit 2; }
+export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    || echo "gpu_check: editable install refused; shardwise runs from src/ through PYTHONPATH" >&2
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+  python3 -c "import sys, torch, transformers, pydantic, shardwise
+print('python', sys.version.split()[0], '| torch', torch.__version__, 'cuda', torch.version.cuda,
+      '| transformers', transformers.__version__, '| pydantic', pydantic.VERSION, '| shardwise', shardwise.__file__)"
+} > "$RESULTS/env.txt" 2>&1
+cat "$RESULTS/env.txt"
+
+status=0
+timeout 330 python3 -m pytest -q -m cuda -rs -p no:cacheprovider --durations=15 \
+    --junitxml="$RESULTS/cuda_tier.xml" tests/test_cuda_*.py > "$RESULTS/cuda_tier.log" 2>&1 || status=1
+timeout 200 python3 bench/gpu_check.py "$RESULTS" > "$RESULTS/bench.log" 2>&1 || status=1
+
+echo "== CUDA tier (full log: cuda_tier.log) =="
+grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|error" "$RESULTS/cuda_tier.log" | tail -n 40
+echo "== benchmark (full log: bench.log) =="
+if [ -s "$RESULTS/gpu_check.md" ]; then cat "$RESULTS/gpu_check.md"; else tail -n 30 "$RESULTS/bench.log"; fi
+exit $status
