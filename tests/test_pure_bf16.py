@@ -1,6 +1,7 @@
 """Pure bf16 (`bf16_master_weights_and_grads`): parameters, gradients, their reduction and the optimizer's states
-in bf16, no fp32 master, under DDP, ZeRO-1 and ZeRO-3; 4 gloo ranks train as one process that trains the model cast
-to bf16 with a plain optimizer; what cannot be honoured is refused in one line."""
+in bf16, no fp32 master, under DDP, ZeRO-1, ZeRO-2 and ZeRO-3; 4 gloo ranks train as one process that trains the
+model cast to bf16 with a plain optimizer; what cannot be honoured is refused in one line; the planner predicts the
+same bytes MemTracker measures."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ WORLD = 4
 ROWS = 2  # per data-parallel rank and step
 STEPS = 3
 PURE = {"bf16": True, "bf16_master_weights_and_grads": True}
-MODES = {"ddp": {}, "zero1": {"shard_optimizer_state": True}, "zero3": {"sharded_data_parallel_degree": WORLD}}
+MODES = {"ddp": {}, "zero1": {"shard_optimizer_state": True},
+         "zero2": {"zero_stage": 2, "sharded_data_parallel_degree": WORLD},
+         "zero3": {"sharded_data_parallel_degree": WORLD}}
 # Measured (tiny GPT-2, SGD, 3 steps): losses within 3e-5 of the one-process pure-bf16 run, all parameters together
 # within 3.7e-4 (each rank rounds its share of the gradient to bf16 before the bf16 reduction); bf16 mixed precision
 # (fp32 parameters under autocast) lies 9.2e-4 from that run, so the parameter check tells the two apart.
