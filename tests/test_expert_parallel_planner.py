@@ -74,3 +74,107 @@ def test_expert_parallelism_spares_gathered_experts_and_costs_all_to_all_time():
     slower = (predict_step_time(spec, split, layout, cluster, 1, 1024).data_parallel
               - predict_step_time(spec, plain, layout, cluster, 1, 1024).data_parallel)
     assert slower > 0
+
+
+# MemTracker against the planner: a tiny Mixtral trained through shardwise's API on 2 gloo ranks, its memory in the
+# second AdamW step by category, held to tests/test_planner_measured.py's tolerances (`pytest -s` prints the table
+# in docs/expert_parallel.md).
+MEASURED_WORLD, MEASURED_ROWS, MEASURED_SEQ = 2, 4, 256
+MEASURED = {
+    "EP 2 ZeRO-3": {"sharded_data_parallel_degree": 2, "expert_parallel_degree": 2},
+    "EP 2 ZeRO-2": {"zero_stage": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2},
+}
+
+
+def _tiny_mixtral_config():
+    import transformers
+
+    return transformers.MixtralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=256, num_local_experts=4,
+                                      num_experts_per_tok=2, vocab_size=256, max_position_embeddings=256)
+
+
+def measure_experts(configs: dict) -> dict:
+    """This rank's memory in the second AdamW step of the tiny Mixtral under each config."""
+    import torch
+    import transformers
+
+    import shardwise as sw
+    from shardwise.runtime import state
+    from test_planner_measured import StepMemory
+
+    measured = {}
+    for name, config in configs.items():
+        sw.init(config)
+        torch.manual_seed(0)
+        model = sw.DistributedModel(transformers.MixtralForCausalLM(_tiny_mixtral_config()))
+        StepMemory.watch(model.parameters())
+        optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        ids = torch.randint(1, 256, (MEASURED_ROWS, MEASURED_SEQ), generator=torch.Generator().manual_seed(0))
+
+        @sw.step
+        def train_step(model, input_ids, memory):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            if memory:
+                memory.forward_done()
+            model.backward(loss)
+            if memory:
+                memory.backward_done()
+            return loss
+
+        def train(memory):
+            optimizer.zero_grad()
+            train_step(model, ids, memory)
+            optimizer.step()
+
+        measured[name] = StepMemory.of_second_step(train, model, optimizer.optimizer)
+        state.set_current(None)  # the next config starts afresh on the same process group
+    return measured
+
+
+@pytest.fixture(scope="module")
+def expert_runs() -> dict:
+    from shardwise.testing import run_distributed
+
+    per_rank = run_distributed(measure_experts, MEASURED_WORLD, MEASURED, timeout=300)
+    return {name: {k: max(rank[name][k] for rank in per_rank) for k in per_rank[0][name]} for name in MEASURED}
+
+
+@pytest.mark.parametrize("name", list(MEASURED))
+def test_expert_parallel_memory_matches_memtracker(name, expert_runs):
+    from shardwise.config import parse_config
+    from shardwise.config.layout import layout_for
+    from shardwise.planner import spec_from_hf
+    from shardwise.planner.memory import predict_memory
+    from shardwise.topology import Cluster
+    from test_planner_measured import CPU, _check
+
+    config = parse_config(MEASURED[name])
+    layout = layout_for(config, Cluster(1, MEASURED_WORLD))
+    spec = spec_from_hf(_tiny_mixtral_config().to_dict(), "mixtral")
+    predicted = predict_memory(spec, config, layout, MEASURED_ROWS, MEASURED_SEQ, device=CPU)
+    _check(name, predicted, expert_runs[name])
+
+
+def test_tensor_parallelism_leaves_the_experts_whole_in_memory():
+    """Mixtral's built-in plan splits the attention, embedding and head over tp and keeps every MoE block whole on
+    each tensor-parallel rank: the planner divides only the rest by tp, gathered blocks included."""
+    from shardwise.config import parse_config
+    from shardwise.planner import spec_from_hf
+    from shardwise.planner.memory import predict_memory
+    from shardwise.topology import Layout
+
+    spec = spec_from_hf({"model_type": "mixtral", "num_hidden_layers": 4}, "mixtral-4-layers")
+    config = parse_config({"zero_stage": 3, "sharded_data_parallel_degree": 4, "bf16": True,
+                           "tensor_parallel_degree": 2})
+    alone = predict_memory(spec, config, Layout(dp_shard=4), 1, 1024)
+    split = predict_memory(spec, config, Layout(dp_shard=4, tp=2), 1, 1024)
+    experts = spec.experts.parameters
+    rest = spec.parameters - experts
+    assert split.parameters / alone.parameters == pytest.approx((rest / 2 + experts) / spec.parameters)
+    # ZeRO-3's two gathered blocks (bf16): their experts whole, the rest halved; what no block holds halved too
+    per_layer, layer_experts = spec.layer_parameters, experts / spec.layers
+    outside = spec.parameters - spec.layers * per_layer
+    assert split.gathered_params == pytest.approx(2 * (outside / 2 + 2 * (per_layer - layer_experts) / 2
+                                                       + 2 * layer_experts))
+    assert alone.gathered_params == pytest.approx(2 * (outside + 2 * per_layer))

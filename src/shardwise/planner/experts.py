@@ -113,6 +113,47 @@ def all_to_all_seconds(shape: ExpertShape, tokens: int, ep: int, element_bytes: 
             + 5 * shape.moe_layers * (ep - 1) * latency)
 
 
+def stage_expert_parameters(spec, layout) -> float:
+    """Expert parameters of the busiest pipeline stage's blocks (0 for a model without experts)."""
+    shape = spec.experts
+    if shape is None:
+        return 0.0
+    return shape.parameters * spec.stage_layers(layout.pp) / spec.layers
+
+
+def rank_parameters(spec, layout) -> float:
+    """Parameters of the busiest stage on one rank before ZeRO shards them: tensor parallelism splits all but the
+    experts, which each MoE block keeps whole on every tensor-parallel rank (Mixtral's built-in plan,
+    parallel/tensor/registry.py; expert parallelism splits them instead)."""
+    whole = stage_expert_parameters(spec, layout)
+    return (spec.stage_parameters(layout.pp) - whole) / layout.tp + whole
+
+
+def whole_under_tp(spec, config, layout, element_bytes: int) -> float:
+    """Gathered bytes tensor parallelism does not divide, beyond the 1/tp a dense model's accounting gives the
+    experts: the gathered blocks' experts (ZeRO-3's two in flight; ZeRO-2 keeps every block) × (1 − 1/tp)."""
+    if layout.tp == 1 or spec.experts is None:
+        return 0.0
+    layers = spec.stage_layers(layout.pp)
+    in_flight = min(2, layers) if config.effective_zero_stage == 3 else layers
+    return element_bytes * stage_expert_parameters(spec, layout) * in_flight / layers * (1 - 1 / layout.tp)
+
+
+def dispatch_activations(spec, config, layout, micro_batch: int, seq: int, checkpointing: str, in_flight: int,
+                         element_bytes: int) -> float:
+    """Bytes the dispatch keeps for backward beyond a dense MLP's activations, on the busiest stage: per MoE layer
+    the rows this rank's experts received (`received_rows`, which their first linear keeps) and the rows returned
+    to this rank (tokens · top_k, which the router's weights multiply), hidden wide, for each of `in_flight`
+    microbatches. 0 without EP, or when the blocks are recomputed in backward."""
+    shape, ep = spec.experts, config.expert_parallel_degree
+    if shape is None or ep == 1 or checkpointing != "none":
+        return 0.0
+    tokens = micro_batch * seq / layout.cp
+    layers = shape.moe_layers * spec.stage_layers(layout.pp) / spec.layers
+    rows = received_rows(shape, tokens) + tokens * shape.top_k
+    return rows * shape.hidden * element_bytes * layers * in_flight
+
+
 def gathered_saving(spec, config, layout, element_bytes: int) -> float:
     """`gathered_expert_saving` for a `ModelSpec` under a config and layout (0 without experts or EP), gathered
     parameters of `element_bytes` each."""

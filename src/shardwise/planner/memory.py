@@ -127,30 +127,36 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     kernels = device.kernels if device else Kernels()
     decisions = Decisions(config, layout)
     cp, mode = decisions.context_parallel_degree, decisions.context_parallel_mode
-    states = model_state_bytes(spec.stage_parameters(layout.pp) / layout.tp, config, layout,
+    states = model_state_bytes(experts.rank_parameters(spec, layout), config, layout,
                                optimizer_share(spec, config, layout), gradient_fraction(spec, config, layout))
     on_host = host_states(config, device)
     host_bytes = sum(states[k] for k in on_host)
     states = {k: 0.0 if k in on_host else v for k, v in states.items()}
     saving = experts.gathered_saving(spec, config, layout, compute_bytes(config))
-    gathered = gathered_bytes(spec, config, layout) - saving
+    gathered = gathered_bytes(spec, config, layout)
+    if gathered:  # the experts tensor parallelism leaves whole
+        gathered += experts.whole_under_tp(spec, config, layout, compute_bytes(config))
+    gathered -= saving
     acts = rank_activations(spec, seq=seq, micro_batch=micro_batch, numerics=numerics(config, layout),
                             tp=layout.tp, pp=layout.pp, in_flight=in_flight_microbatches(config, layout),
                             checkpointing=checkpointing, offload=config.offload_activations and moves_to_host(device),
                             loading_horizon=config.activation_loading_horizon,
                             kernels=context.saved_kernels(mode, kernels) if decisions.context_parallel else kernels,
                             sequence_parallel=config.sequence_parallel, context_parallel=cp)
+    routed = experts.dispatch_activations(spec, config, layout, micro_batch, seq, checkpointing,
+                                          in_flight_microbatches(config, layout), compute_bytes(config))
+    freed = acts.device + routed
     # context parallelism's exchange runs inside each block's backward, after the head's tensors are freed
     exchange = context_buffer_bytes(spec, config, layout, micro_batch, seq, device)
     buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq) + max(0.0, exchange - acts.backward_room)
-    accounted = sum(states.values()) + gathered + acts.device + buffers
-    return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device, comm_buffers=buffers,
+    accounted = sum(states.values()) + gathered + acts.device + routed + buffers
+    return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device + routed, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0,
                            fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host + host_bytes,
                            retention=host_retention(spec, config, layout, device),
                            step_temporaries=step_temporaries(spec, config, layout, device,
-                                                             acts.device + _freed_by_backward(spec, config, layout,
-                                                                                              buffers, states)))
+                                                             freed + _freed_by_backward(spec, config, layout,
+                                                                                        buffers, states)))
 
 
 def context_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,

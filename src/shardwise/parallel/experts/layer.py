@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.func import functional_call
 
+from ...torch_internals import tensor_tables
 from ..tensor.batch import ScaleGrad
 from .dispatch import Traffic, dispatch_combine
 
@@ -57,7 +57,7 @@ class ExpertParallel(nn.Module):
         def compute(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
             index = local_expert.unsqueeze(-1)
             ones = torch.ones(index.shape, dtype=top_k_weights.dtype, device=rows.device)
-            return functional_call(self.compute_module, tensors, (rows, index, ones))
+            return _run_with(self.compute_module, tensors, rows, index, ones)
 
         record = None if self.traffic is None else self.traffic.append
         return dispatch_combine(hidden, top_k_index, top_k_weights, self.num_experts, self.mesh.get_group(),
@@ -65,6 +65,19 @@ class ExpertParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{type(self.compute_module).__name__}, experts={self.num_experts}, here={self.local}"
+
+
+def _run_with(module: nn.Module, tensors: dict[str, torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """`module`'s forward on `args` with `tensors` as its parameters. Its forward alone, not a module call: the
+    `ExpertParallel` around it is the module hooks and trackers see (torch's MemTracker would take these
+    tensors, computed from the parameters, for parameters of its own)."""
+    table = tensor_tables(module)[0]
+    kept = dict(table)
+    table.update(tensors)
+    try:
+        return type(module).forward(module, *args)
+    finally:
+        table.update(kept)
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:
