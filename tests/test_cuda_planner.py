@@ -33,11 +33,12 @@ GPU = DEVICES["H100-SXM5-80GB"]
 MODELS = {
     "gpt2": (transformers.GPT2LMHeadModel,
              transformers.GPT2Config(n_layer=4, n_embd=512, n_head=8, vocab_size=VOCAB, n_positions=SEQ,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)),
     "llama": (transformers.LlamaForCausalLM,
               transformers.LlamaConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                                        num_key_value_heads=4, intermediate_size=1408, vocab_size=VOCAB,
-                                       max_position_embeddings=SEQ)),
+                                       max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)),
 }
 LAYOUTS = {
     "DDP": {},

@@ -235,6 +235,12 @@ def test_reshard_after_forward_over_keeps_each_unit_on_the_shared_secondary_grou
         assert got["after_backward"] == [1]
 
 
+# torch 2.11 (the lent GPU machine's) has the internals but not these two behaviours (docs/torch.md): its DTensor
+# redistribution reads a lone _StridedShard as a shard order and refuses it; its pipeline schedules exchange shapes
+# between a rank's own V-shaped stages over the process group, which gloo refuses.
+BEFORE_2_13 = torch.__version__ < "2.13"
+
+
 def _strided_local() -> dict:
     mesh = init_device_mesh("cpu", (2,))
     packed = torch.arange(12.0).reshape(2, 6)  # three chunks of two columns side by side (Q, K, V)
@@ -242,6 +248,7 @@ def _strided_local() -> dict:
     return {"local": shard.to_local()[0].tolist(), "whole": bool(shard.full_tensor().equal(packed))}
 
 
+@pytest.mark.xfail(BEFORE_2_13, strict=True, reason="torch 2.11: a lone _StridedShard cannot be redistributed")
 def test_strided_shard_cuts_each_chunk_and_reassembles_in_order():
     assert run_distributed(_strided_local, 2) == [{"local": [0.0, 2.0, 4.0], "whole": True},
                                                   {"local": [1.0, 3.0, 5.0], "whole": True}]
@@ -396,6 +403,7 @@ def _v_schedule(stage_class: type, train: bool) -> None:
             schedule.eval(torch.ones(2, 4), target=torch.zeros(2), return_outputs=False)
 
 
+@pytest.mark.xfail(BEFORE_2_13, strict=True, reason="torch 2.11: V-shaped schedules send to the rank's own stage")
 def test_pipeline_stage_members_the_eval_safe_stage_overrides(mesh):
     """The V-shaped schedule calls exactly the members EvalSafeStage overrides; torch's own stage still
     asserts a backward pass in evaluation (when it stops, EvalSafeStage can go)."""

@@ -4,7 +4,10 @@ torch promises nothing about these names, so each is imported or wrapped only
 here, with why shardwise needs it and what public API would replace it, and
 `tests/test_torch_internals.py` checks each one does what shardwise assumes:
 a torch upgrade that moves one fails there, by name. CI tests torch 2.13.0
-only, so pyproject.toml declares `torch>=2.13` and nothing older.
+only, so pyproject.toml declares `torch>=2.13` and nothing older. On torch 2.11
+(the GPU check's machine) every name here exists and works, `_unflatten` given
+an index; two torch behaviours differ there, so GPT-2's packed q/k/v under tensor
+parallelism and the V-shaped pipeline schedule need 2.13 (docs/torch.md).
 
 Members of torch classes that shardwise subclasses override or read on `self`
 (an override cannot be wrapped; the smoke tests check each still exists and is
@@ -169,8 +172,9 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 def unflatten_mesh(mesh: DeviceMesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """`mesh` with `axis` split into axes of `sizes` named `names` (the last fastest), their groups made for every
     rank at once."""
-    # DeviceMesh._unflatten; a public DeviceMesh.unflatten would replace it.
-    return mesh._unflatten(axis, sizes, names)
+    # DeviceMesh._unflatten; a public DeviceMesh.unflatten would replace it. Given the axis's index, not its name:
+    # torch 2.11 refuses every name (its check is inverted), 2.13 takes both.
+    return mesh._unflatten(mesh.mesh_dim_names.index(axis), sizes, names)
 
 
 @contextlib.contextmanager
