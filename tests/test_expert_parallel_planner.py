@@ -57,6 +57,7 @@ def test_the_plan_tries_expert_parallelism_and_shows_it():
 
 def test_expert_parallelism_spares_gathered_experts_and_costs_all_to_all_time():
     from shardwise.config import parse_config
+    from shardwise.planner.experts import step_seconds
     from shardwise.planner import cluster_preset, spec_from_hf
     from shardwise.planner.memory import predict_memory
     from shardwise.planner.timing import predict_step_time
@@ -71,9 +72,12 @@ def test_expert_parallelism_spares_gathered_experts_and_costs_all_to_all_time():
     saved = (predict_memory(spec, plain, layout, 1, 1024).gathered_params
              - predict_memory(spec, split, layout, 1, 1024).gathered_params)
     assert saved == pytest.approx(2 * experts * 7 / 8)
-    slower = (predict_step_time(spec, split, layout, cluster, 1, 1024).data_parallel
-              - predict_step_time(spec, plain, layout, cluster, 1, 1024).data_parallel)
-    assert slower > 0
+    # the step pays the all-to-alls, and EP 8 leaves each expert share on one rank: nothing of it gathered or reduced
+    all_to_all = step_seconds(spec, split, layout, cluster, 1, 1024, 2)
+    assert all_to_all > 0
+    split_time = predict_step_time(spec, split, layout, cluster, 1, 1024)
+    assert not [c for c in split_time.collectives if c.name.startswith("expert")]
+    assert split_time.data_parallel - all_to_all < predict_step_time(spec, plain, layout, cluster, 1, 1024).data_parallel
 
 
 # MemTracker against the planner: a tiny Mixtral trained through shardwise's API on 2 gloo ranks, its memory in the
@@ -178,3 +182,33 @@ def test_tensor_parallelism_leaves_the_experts_whole_in_memory():
     assert split.gathered_params == pytest.approx(2 * (outside / 2 + 2 * (per_layer - layer_experts) / 2
                                                        + 2 * layer_experts))
     assert alone.gathered_params == pytest.approx(2 * (outside + 2 * per_layer))
+
+
+def test_zero3_gathers_and_reduces_each_expert_share_over_its_copies_only():
+    """With EP each expert share is an FSDP2 unit of its own over `expert_shard` (every ep-th rank of the sharding
+    group): its all-gathers move 1/ep of the experts on that group, the rest of the model's the sharding group."""
+    from shardwise.config import parse_config
+    from shardwise.planner import cluster_preset, spec_from_hf
+    from shardwise.planner.collectives import GroupShape
+    from shardwise.planner.experts import expert_shard_shape
+    from shardwise.planner.timing import predict_step_time
+    from shardwise.topology import Layout
+
+    assert expert_shard_shape(Layout(dp_shard=8), 8, 4) == GroupShape(2, 2, 1)
+    assert expert_shard_shape(Layout(dp_shard=16), 8, 2) == GroupShape(8, 4, 2)  # ranks 0, 2, ..., 14
+    assert expert_shard_shape(Layout(dp_shard=2, cp=4), 4, 4) == GroupShape(2, 1, 2)  # ep takes the cp ranks first
+
+    spec = spec_from_hf({"model_type": "mixtral", "num_hidden_layers": 4}, "mixtral-4-layers")
+    cluster, layout = cluster_preset("p4d.24xlarge"), Layout(dp_shard=8)
+    collectives = {}
+    for ep in (1, 4):
+        config = parse_config({"sharded_data_parallel_degree": 8, "bf16": True, "expert_parallel_degree": ep})
+        collectives[ep] = {c.name: c for c in predict_step_time(spec, config, layout, cluster, 1, 1024).collectives}
+    experts = spec.experts.parameters
+    share = collectives[4]["expert parameter all-gather (overlaps forward)"]
+    assert share.axis == "expert_shard" and share.bytes_per_step == pytest.approx(2 * experts / 4)
+    rest = collectives[4]["parameter all-gather (overlaps forward)"]
+    assert rest.axis == "dp_shard" and rest.bytes_per_step == pytest.approx(2 * (spec.parameters - experts))
+    assert collectives[1]["parameter all-gather (overlaps forward)"].bytes_per_step == pytest.approx(
+        2 * spec.parameters)
+    assert "expert gradient reduce-scatter (overlaps backward)" in collectives[4]

@@ -20,6 +20,9 @@ Pure: no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
+
+from .collectives import GroupShape
 
 ROUTER_SKEW = 1.25
 COUNT_BYTES = 8  # one int64 per expert in the counts exchange
@@ -152,6 +155,16 @@ def dispatch_activations(spec, config, layout, micro_batch: int, seq: int, check
     layers = shape.moe_layers * spec.stage_layers(layout.pp) / spec.layers
     rows = received_rows(shape, tokens) + tokens * shape.top_k
     return rows * shape.hidden * element_bytes * layers * in_flight
+
+
+def expert_shard_shape(layout, devices_per_node: int, ep: int):
+    """The `GroupShape` of the ranks ZeRO shards one expert share over (`expert_shard`): every ep-th rank of the
+    sharding group (dp_shard × cp, cp fastest), since ep takes its neighbouring ranks (parallel/mesh.py)."""
+    strides = layout.strides()
+    group = [i * strides["dp_shard"] + j * strides["cp"] for i, j in product(range(layout.dp_shard), range(layout.cp))]
+    members = group[::ep]
+    nodes = len({rank // devices_per_node for rank in members})
+    return GroupShape(len(members), len(members) // nodes, nodes)
 
 
 def gathered_saving(spec, config, layout, element_bytes: int) -> float:

@@ -25,8 +25,9 @@ from . import assumptions as A
 from . import context, efficiency, experts
 from .activations import keeps_matmuls, recomputed_elementwise_bytes, region_blocks
 from .bubbles import bubble_share, busiest_rank
-from .collectives import LinkTime, collective_time, group_shape, p2p_time
+from .collectives import GroupShape, LinkTime, collective_time, group_shape, p2p_time
 from .efficiency import BlockSeconds, block_seconds, head_seconds
+from .experts import expert_shard_shape
 from .hardware import ClusterSpec, DeviceSpec
 from .offload import activation_transfers, host_states, state_transfers
 from .spec import ModelSpec
@@ -103,25 +104,29 @@ class _Traffic:
         dp_shard_cp)."""
         return axes + ("cp",) if "dp_shard" in axes and self.layout.cp > 1 else axes
 
-    def time(self, kind: str, nbytes: float, axes: tuple[str, ...], calls: int, within: int = 0) -> LinkTime:
+    def time(self, kind: str, nbytes: float, axes: tuple[str, ...], calls: int, within: int = 0,
+             shape: GroupShape | None = None) -> LinkTime:
         axes = self.data_parallel_axes(axes)
-        shape = group_shape(self.layout, self.cluster.devices_per_node, axes, within)
+        shape = shape or group_shape(self.layout, self.cluster.devices_per_node, axes, within)
         return collective_time(kind, nbytes, shape, self.cluster, calls)
 
     def add(self, when: str, kind: str, nbytes: float, axes: tuple[str, ...], label: str, calls: int = 0,
-            within: int = 0) -> LinkTime:
+            within: int = 0, experts: int = 0) -> LinkTime:
         """Add `nbytes` of `kind` on the groups along `axes` (with `within`, on ZeRO++ hpZ's secondary groups of
-        that many ranks inside them), in `calls` collectives (default: per block when sharded per block, else
-        per DDP-sized bucket)."""
+        that many ranks inside them; with `experts`, on the ranks holding the same expert share of the sharding
+        group `axes` make, for that EP degree), in `calls` collectives (default: per block when sharded per block,
+        else per DDP-sized bucket)."""
         calls = calls or (self.blocks if axes == ("dp_shard",) else -(-int(nbytes) // A.BUCKET_BYTES))
-        t = self.time(kind, nbytes, axes, calls, within)
+        shape = expert_shard_shape(self.layout, self.cluster.devices_per_node, experts) if experts else None
+        t = self.time(kind, nbytes, axes, calls, within, shape)
         axes = self.data_parallel_axes(axes)
         if t.serial == 0:
             return t
         if when != "critical":
             setattr(self, when, getattr(self, when) + t)
         count = self.microbatches if when in ("forward", "backward", "critical") else 1
-        axis = "hpz" if within else "×".join(a for a in axes if getattr(self.layout, a) > 1)
+        axis = "hpz" if within else "expert_shard" if experts else "×".join(a for a in axes
+                                                                             if getattr(self.layout, a) > 1)
         self.records.append(Collective(f"{label} {kind.replace('_', '-')} ({_WHEN[when]})", axis,
                                        nbytes * count, t.link, t.serial * count))
         return t
@@ -140,7 +145,7 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     group only) and reduce-scatters fp32 gradients.
     """
     stage = config.effective_zero_stage
-    rank_params = spec.stage_parameters(layout.pp) / layout.tp
+    rank_params = experts.rank_parameters(spec, layout)
     grads = reduce_bytes(config, layout) * rank_params
     if stage <= 1:
         if config.sharded_master_weights:
@@ -151,11 +156,15 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
         if stage == 1:
             _parameter_broadcasts(traffic, config, layout, spec, rank_params)
         return
-    gathered = compute_bytes(config) * rank_params
-    if Decisions(config, layout).pipelining:
-        _pipelined_sharding_traffic(traffic, config, layout, stage, gathered, grads)
-    else:
-        _sharding_traffic(traffic, config, layout, stage, gathered, grads)
+    # expert parallelism: each expert share is a unit of its own, gathered and reduced over its copies only
+    ep = config.expert_parallel_degree
+    shares = experts.stage_expert_parameters(spec, layout) if ep > 1 else 0.0
+    sharding = _pipelined_sharding_traffic if Decisions(config, layout).pipelining else _sharding_traffic
+    rest = rank_params - shares
+    sharding(traffic, config, layout, stage, compute_bytes(config) * rest, reduce_bytes(config, layout) * rest)
+    if shares:
+        sharding(traffic, config, layout, stage, compute_bytes(config) * shares / ep,
+                 reduce_bytes(config, layout) * shares / ep, experts=ep)
     # MiCS's cross-group all-reduce: one per unit (the blocks, then the root), overlapping the last backward, or
     # (cross_group_overlap: forward, parallel/sharding/mics.py) also the optimizer step and the next forward
     shards = rank_params / sharding_ranks(layout) * cross_group_bytes(config, layout)
@@ -165,32 +174,35 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
 
 
 def _sharding_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, stage: int, gathered: float,
-                      grads: float) -> None:
+                      grads: float, experts: int = 0) -> None:
     """FSDP2 without a pipeline: gathers every forward (ZeRO-3 again in backward, under ZeRO++ hpZ inside the
-    secondary group), a reduce-scatter every backward."""
-    traffic.add("forward", "all_gather", gathered, ("dp_shard",), "parameter")
+    secondary group), a reduce-scatter every backward; with `experts`, the expert shares of that EP degree."""
+    what = "expert " if experts else ""
+    traffic.add("forward", "all_gather", gathered, ("dp_shard",), f"{what}parameter", experts=experts)
     if stage == 3:  # under ZeRO++ hpZ from the secondary shards forward left, inside the secondary group
-        traffic.add("backward", "all_gather", gathered, ("dp_shard",), "parameter",
-                    within=Decisions(config, layout).secondary_partition)
-    traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), "gradient")
+        traffic.add("backward", "all_gather", gathered, ("dp_shard",), f"{what}parameter",
+                    within=Decisions(config, layout).secondary_partition, experts=experts)
+    traffic.add("backward", "reduce_scatter", grads, ("dp_shard",), f"{what}gradient", experts=experts)
 
 
 def _pipelined_sharding_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, stage: int,
-                                gathered: float, grads: float) -> None:
+                                gathered: float, grads: float, experts: int = 0) -> None:
     """FSDP2 under a pipeline: each stage is one FSDP2 unit, which torch's PipelineStage runs without gradient
     sync, keeps gathered after backward and reduce-scatters once per round (its perform_reduce_grad). So a round
     gathers once where forward keeps the gathered parameters (ZeRO-2, and ZeRO-3 under a schedule that splits
     backward), else for every warm-up forward (at most pp before the first backward) and once more for the first
     backward; it reduce-scatters once, with the last backward (tests/test_planner_pipelined_sharding.py counts
-    them)."""
+    them). With `experts`, the expert shares of that EP degree."""
+    what = "expert " if experts else ""
     m = config.microbatches
     split_backward = config.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
     keeps = Decisions(config, layout).reshard_after_forward(split_backward) is False
     gathers = 1 if keeps else min(config.pipeline_round, layout.pp)
-    traffic.add("forward", "all_gather", gathered * gathers / m, ("dp_shard",), "parameter", 1)
+    traffic.add("forward", "all_gather", gathered * gathers / m, ("dp_shard",), f"{what}parameter", 1,
+                experts=experts)
     if not keeps:
-        traffic.add("backward", "all_gather", gathered / m, ("dp_shard",), "parameter", 1)
-    traffic.add("sync", "reduce_scatter", grads, ("dp_shard",), "gradient", 1)
+        traffic.add("backward", "all_gather", gathered / m, ("dp_shard",), f"{what}parameter", 1, experts=experts)
+    traffic.add("sync", "reduce_scatter", grads, ("dp_shard",), f"{what}gradient", 1, experts=experts)
 
 
 def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, spec: ModelSpec,
@@ -411,7 +423,8 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
                     pipeline_bubble=_pipeline_bubble(config, layout, t_mb, busy, forward + recompute, weight_grad),
                     pipeline_p2p=_pipeline_p2p(traffic, cluster, sent, pipeline_rounds(config),
                                                config.stages_per_rank),
-                    optimizer=_optimizer_seconds(spec, config, layout, cluster, spec.stage_parameters(pp) / tp),
+                    optimizer=_optimizer_seconds(spec, config, layout, cluster,
+                                                 experts.rank_parameters(spec, layout)),
                     offload=_offload_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing,
                                              m * busy))
     # All-reduces that outlive backward overlap everything else the step does; one unit's is exposed.
