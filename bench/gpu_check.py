@@ -74,7 +74,7 @@ class Size:
 # Llama 3.2 1B's shape with a 32k vocabulary: 1.1 billion parameters; 8192 tokens a step.
 BILLION = Size(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=8192, vocab=32000, seq=2048, rows=4,
                warmup=3, steps=8)
-TINY = Size(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, seq=32, rows=2, warmup=1, steps=2)
+TINY = Size(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, seq=32, rows=2, warmup=1, steps=1)
 
 
 def flops_per_token(size: Size, matmul_parameters: int) -> float:
@@ -194,21 +194,28 @@ def predicted(size: Size, device: torch.device) -> dict:
             "tensor_bytes": memory.tensors, "total_bytes": memory.total, "peak_flops": cluster.device.peak_flops["bf16"]}
 
 
-def measure(size: Size, device: torch.device, compile_backend: str) -> dict:
+def measure(size: Size, device: torch.device, compile_backend: str, save: Callable[[dict], None]) -> dict:
+    """Every run, the compiled one last (its compilation is the slowest part); `save(result)` after each, so a
+    run stopped by its time limit keeps what was measured."""
     model = build(size, "meta")
     parameters = sum(p.numel() for p in model.parameters())
     matmul = parameters - model.model.embed_tokens.weight.numel()
     plan = predicted(size, device)
     tokens = size.rows * size.seq
-    runs = {"torch eager": run_torch(size, device, False, compile_backend),
-            "torch compiled": run_torch(size, device, True, compile_backend),
-            "shardwise": run_shardwise(size, device)}
-    for run in runs.values():
-        run["tokens_per_s"] = tokens / run["step_s"]
-        run["mfu"] = run["tokens_per_s"] * flops_per_token(size, matmul) / plan["peak_flops"]
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-            "torch": torch.__version__, "size": size.__dict__, "parameters": parameters,
-            "tokens_per_step": tokens, "planner": plan, "runs": runs}
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+              "torch": torch.__version__, "size": size.__dict__, "parameters": parameters,
+              "tokens_per_step": tokens, "planner": plan, "runs": {}}
+    runs: dict[str, Callable[[], dict]] = {
+        "torch eager": lambda: run_torch(size, device, False, compile_backend),
+        "shardwise": lambda: run_shardwise(size, device),
+        "torch compiled": lambda: run_torch(size, device, True, compile_backend)}
+    for name, run in runs.items():
+        measured = run()
+        measured["tokens_per_s"] = tokens / measured["step_s"]
+        measured["mfu"] = measured["tokens_per_s"] * flops_per_token(size, matmul) / plan["peak_flops"]
+        result["runs"][name] = measured
+        save(result)
+    return result
 
 
 def markdown(result: dict) -> str:
@@ -217,7 +224,7 @@ def markdown(result: dict) -> str:
     def memory(value):
         return "–" if value is None else f"{value / gib:.1f}"
 
-    lines = [f"{result['parameters'] / 1e9:.2f}B-parameter Llama, bf16, {result['tokens_per_step']} tokens a step, "
+    lines = [f"{result['parameters'] / 1e6:,.1f}M-parameter Llama, bf16, {result['tokens_per_step']} tokens a step, "
              f"one {result['device']}, torch {result['torch']}", "",
              "| run | step (s) | tokens/s | MFU | peak allocated (GiB) | peak reserved (GiB) | final loss |",
              "|---|---|---|---|---|---|---|"]
@@ -243,13 +250,16 @@ def main(argv: list[str] | None = None) -> dict:
     store = dist.FileStore(str(Path(tempfile.mkdtemp(prefix="gpu_check_")) / "store"), 1)
     dist.init_process_group(backend_for(device), store=store, rank=0, world_size=1,
                             device_id=None if device.type == "cpu" else device)
+    args.results.mkdir(parents=True, exist_ok=True)
+
+    def save(result: dict) -> None:
+        (args.results / "gpu_check.json").write_text(json.dumps(result, indent=2))
+        (args.results / "gpu_check.md").write_text(markdown(result))
+
     try:
-        result = measure(size, device, backend)
+        result = measure(size, device, backend, save)
     finally:
         dist.destroy_process_group()
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "gpu_check.json").write_text(json.dumps(result, indent=2))
-    (args.results / "gpu_check.md").write_text(markdown(result))
     print(markdown(result))
     return result
 

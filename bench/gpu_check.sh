@@ -27,7 +27,7 @@ print('python', sys.version.split()[0], '| torch', torch.__version__, 'cuda', to
 cat "$RESULTS/env.txt"
 
 status=0
-timeout 300 python3 -m pytest -q -m cuda -rs -p no:cacheprovider --durations=15 \
+timeout 300 python3 -m pytest -q -m cuda -rfEsP -p no:cacheprovider --durations=15 \
     --junitxml="$RESULTS/cuda_tier.xml" tests/test_cuda_*.py > "$RESULTS/cuda_tier.log" 2>&1 || status=1
 timeout 160 python3 bench/gpu_check.py "$RESULTS" > "$RESULTS/bench.log" 2>&1 || status=1
 

@@ -92,6 +92,6 @@ def test_a_policy_keeps_the_cuda_attention_kernels(backend, dtype, policy):
     products = sum(recomputed[op] for op in (aten.mm.default, aten.addmm.default, aten.bmm.default))
     assert (products > 0) if policy is None else (products == 0), recomputed
     assert recomputed[aten.gelu.default] == BLOCKS  # elementwise: always again
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     worst = max(relative_error(got, want) for got, want in zip(grads, plain_grads))
     assert worst <= tolerance, f"gradients differ by {worst:.2e} (relative)"

@@ -58,7 +58,7 @@ def _same(compiled: dict, eager: dict) -> None:
 
 
 def test_compiled_blocks_under_zero3_train_as_eager():
-    [(compiled, eager)] = run_distributed(compiled_and_eager, 1, {"sharded_data_parallel_degree": 1}, timeout=420)
+    [(compiled, eager)] = run_distributed(compiled_and_eager, 1, {"sharded_data_parallel_degree": 1}, timeout=240)
     _same(compiled, eager)
 
 
@@ -67,6 +67,6 @@ def test_compiled_blocks_under_zero3_train_as_eager():
 @pytest.mark.skipif(torch.__version__ < "2.13",
                     reason="tensor parallelism of GPT-2's packed q/k/v needs torch 2.13 (docs/torch.md)")
 def test_compiled_blocks_under_tensor_parallelism_train_as_eager():
-    ranks = run_distributed(compiled_and_eager, 2, {"tensor_parallel_degree": 2}, timeout=420)
+    ranks = run_distributed(compiled_and_eager, 2, {"tensor_parallel_degree": 2}, timeout=240)
     for compiled, eager in ranks:
         _same(compiled, eager)

@@ -109,7 +109,7 @@ CASES = [(family, name) for family in MODELS for name in LAYOUTS]
 
 @pytest.fixture(scope="module")
 def device_runs() -> dict:
-    [runs] = run_distributed(measure_all, 1, CASES, timeout=540)
+    [runs] = run_distributed(measure_all, 1, CASES, timeout=240)
     return runs
 
 
