@@ -3,9 +3,9 @@
 The model's load-balancing loss sums its router statistics over all layers, and a pipeline stage runs only
 its own: each stage passes its running sums on beside the hidden states (experts/load_balancing.py). Under
 tensor parallelism the model adds that loss to a vocabulary-parallel cross entropy, a DTensor. Tiny Mixtral
-trains 3 AdamW steps on 4 gloo ranks, 2 microbatches a step, on the loss it computes from `labels=` (cross
+trains 3 AdamW steps on 4 gloo ranks (2 for the pipeline alone), 2 microbatches a step, on the loss it computes from `labels=` (cross
 entropy plus the weighted load-balancing loss): 2 stages × 2 data-parallel ranks with EP 2 under ZeRO-3 and
-without EP under DDP, and TP 2 × EP 2 under ZeRO-3. One process is the reference: the same global microbatches
+without EP under DDP, 2 stages alone on 2 ranks, and TP 2 × EP 2 under ZeRO-3. One process is the reference: the same global microbatches
 run one after the other with their gradients accumulated, as `@sw.step` runs them. The mean loss, every rank's
 load-balancing loss and every whole parameter match it within 1e-5.
 """
@@ -30,6 +30,7 @@ CONFIGS = {  # and the data-parallel ranks (tensor-parallel peers bring their ow
     "pp2-ddp": ({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES}, 2),
     "tp2-zero3-ep2": ({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2,
                        "microbatches": MICROBATCHES}, 4),
+    "pp2-alone": ({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES}, 1),  # on 2 ranks
 }
 
 
@@ -95,7 +96,8 @@ def train(config: dict) -> dict:
 def test_the_models_own_loss_is_one_processs(name):
     config, dp = CONFIGS[name]
     want = reference(dp)
-    for got in run_distributed(train, WORLD, config, timeout=600):
+    world = config["pipeline_parallel_degree"] if dp == 1 else WORLD
+    for got in run_distributed(train, world, config, timeout=600):
         assert got["losses"] == pytest.approx(want["losses"], rel=experts_tests.TOLERANCE)
         assert got["aux"] == pytest.approx(want["aux"], rel=experts_tests.TOLERANCE)
         assert got["state"].keys() == want["state"].keys()

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 from torch import nn
 
-from ..experts import load_balancing_of
+from ..experts import load_balancing_of, use_global_load_balancing
 from ..mesh import ParallelMesh
 from ..materialize import place
 from ..strategy import OptimizerBinding
@@ -68,7 +68,11 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSetti
     plan = stage_plan(model, tp_plan, tp) if tp > 1 else None
     split_part(model, [stage.module for stage in stages], plan,
                ends=[stage.module for stage in stages if stage.is_last])
-    for stage in stages:  # the load-balancing sums over every stage's layers, installed on the model by split_part
+    # A mixture of experts' load-balancing sums run over every stage's layers: split_part installs them over the
+    # data-parallel ranks; with one data-parallel rank they still span the stages.
+    if load_balancing_of(model) is None:
+        use_global_load_balancing(model, None)
+    for stage in stages:
         stage.carry = load_balancing_of(model)
     wrapped = []
     for stage in stages:
