@@ -5,7 +5,8 @@ NCCL on CUDA) runs the seed's loop through shardwise, so FSDP2's device code,
 its mixed-precision casts and fp16's loss scaler on the device all execute. fp32
 runs match a plain CPU process to 1e-4 (another device's summation order; TF32 is
 off by default); bf16 and fp16 to their rounding, as test_same_math.py holds DDP in
-bf16. Skipped, saying so, where torch sees no CUDA device.
+bf16. fp16's scaler, on the device, skips a step whose gradients overflowed and backs
+off. Skipped, saying so, where torch sees no CUDA device.
 """
 
 from __future__ import annotations
@@ -109,3 +110,37 @@ def test_half_precision_on_the_device_stays_within_its_rounding(layout):
         assert 0 < got["loss_scale"] < float("inf")
     else:
         assert got["scaler_device"] is None
+
+
+def overflow_on_device(config: dict) -> dict:
+    """Two fp16 steps, the second with an inf put into one gradient on the device: the scaler must skip it."""
+    sw.init(config)
+    model = sw.DistributedModel(build("gpt2", freeze_key_bias=True))
+    optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    train_step = seed_step("gpt2")
+    inputs, targets = dataset("gpt2", ROWS)[:ROWS]
+    seen = []
+    for poisoned in (False, True):
+        optimizer.zero_grad()
+        first = next(p for p in model.parameters() if p.requires_grad)
+        hook = first.register_hook(lambda grad: grad * float("inf")) if poisoned else None
+        scale = optimizer.loss_scale
+        before = {k: v.detach().to("cpu", copy=True) for k, v in model.full_state_dict().items()}
+        train_step(model, inputs, targets)
+        optimizer.step()
+        if hook is not None:
+            hook.remove()
+        after = {k: v.detach().cpu() for k, v in model.full_state_dict().items()}
+        seen.append({"overflow": optimizer.overflow, "scale": (scale, optimizer.loss_scale),
+                     "unchanged": all(torch.equal(before[k], after[k]) for k in before)})
+    return {"steps": seen, "scaler_device": optimizer.loss_scaler._scale.device.type}
+
+
+@pytest.mark.parametrize("layout", ["ddp-fp16", "zero3-fp16"])
+def test_fp16_overflow_on_the_device_skips_the_step_and_backs_off(layout):
+    [got] = run_distributed(overflow_on_device, 1, HALF[layout], timeout=300)
+    clean, poisoned = got["steps"]
+    assert got["scaler_device"] == "cuda"
+    assert not clean["overflow"] and not clean["unchanged"]
+    assert poisoned["overflow"] and poisoned["unchanged"], poisoned
+    assert poisoned["scale"][1] < poisoned["scale"][0]
