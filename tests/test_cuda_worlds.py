@@ -5,9 +5,9 @@ collectives (through host staging). With fewer devices than ranks the harness
 starts a gloo world, and shardwise puts every rank on the device it has. The
 first test tries each collective shardwise's layouts use on CUDA tensors and
 prints what worked (`pytest -s`, or the check's log, shows the table); the
-next trains ZeRO-3 on two ranks of the one device, reported as skipped with
-gloo's own words where gloo lacks a collective FSDP2 needs; the last shows NCCL's
-refusal. With a device per rank the harness gives every rank NCCL instead, and
+next train ZeRO-3 on two ranks and MiCS 2×2 on four ranks of the one device,
+reported as skipped with gloo's own words where gloo lacks a collective they
+need; the last shows NCCL's refusal. With a device per rank the harness gives every rank NCCL instead, and
 these tests say they are for one device.
 """
 
@@ -95,14 +95,14 @@ def test_gloo_collectives_on_cuda_tensors_report_what_works():
     assert ranks[0]["all_reduce"] == ranks[0]["broadcast"] == "ok"  # gloo documents both for CUDA tensors
 
 
-def train_zero3_on_one_device() -> dict:
+def train_on_one_device(config: dict) -> dict:
     try:
-        sw.init({"sharded_data_parallel_degree": WORLD})
+        sw.init(config)
         model = sw.DistributedModel(build("gpt2", freeze_key_bias=True))
         optimizer = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
         train_step = seed_step("gpt2")
         losses = []
-        for inputs, targets in sw.data_loader(dataset("gpt2", STEPS * ROWS * WORLD), batch_size=ROWS,
+        for inputs, targets in sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS,
                                               shuffle=False):
             optimizer.zero_grad()
             losses.append(train_step(model, inputs, targets).reduce_mean().item())
@@ -112,12 +112,19 @@ def train_zero3_on_one_device() -> dict:
         return {"refused": _refusal(error)}
 
 
-def test_zero3_on_two_ranks_of_one_device_over_gloo():
-    ranks = run_distributed(train_zero3_on_one_device, WORLD, timeout=120)
+# ZeRO-3 over the whole world; MiCS's partition groups of 2, whose cross-group reduction runs on a side stream.
+SHARED_DEVICE_LAYOUTS = {"zero3": (2, {"sharded_data_parallel_degree": 2}),
+                         "mics-2x2": (4, {"sharded_data_parallel_degree": 2})}
+
+
+@pytest.mark.parametrize("layout", SHARED_DEVICE_LAYOUTS)
+def test_sharded_layouts_on_ranks_sharing_one_device_over_gloo(layout):
+    world, config = SHARED_DEVICE_LAYOUTS[layout]
+    ranks = run_distributed(train_on_one_device, world, config, timeout=120)
     refused = [r["refused"] for r in ranks if "refused" in r]
     if refused:
-        pytest.skip(f"ZeRO-3 on 2 ranks of one device over gloo: {refused[0]}")
-    want = train_reference("gpt2", "sgd", STEPS, ROWS * WORLD)
+        pytest.skip(f"{layout} on {world} ranks of one device over gloo: {refused[0]}")
+    want = train_reference("gpt2", "sgd", STEPS, ROWS * world)
     losses = torch.tensor([r["losses"] for r in ranks]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(want["losses"]), rtol=TOLERANCE, atol=0)
     worst = max(relative_error(ranks[0]["state"][k], v) for k, v in want["state"].items())
