@@ -3,11 +3,12 @@
 The model's load-balancing loss sums its router statistics over all layers, and a pipeline stage runs only
 its own: each stage passes its running sums on beside the hidden states (experts/load_balancing.py). Under
 tensor parallelism the model adds that loss to a vocabulary-parallel cross entropy, a DTensor. Tiny Mixtral
-trains 3 AdamW steps on 4 gloo ranks (2 for the pipeline alone), 2 microbatches a step, on the loss it computes from `labels=` (cross
-entropy plus the weighted load-balancing loss): 2 stages × 2 data-parallel ranks with EP 2 under ZeRO-3 and
-without EP under DDP, 2 stages alone on 2 ranks, and TP 2 × EP 2 under ZeRO-3. One process is the reference: the same global microbatches
-run one after the other with their gradients accumulated, as `@sw.step` runs them. The mean loss, every rank's
-load-balancing loss and every whole parameter match it within 1e-5.
+trains 3 AdamW steps on 4 gloo ranks (2 for the pipeline alone), 2 microbatches a step, on the loss it
+computes from `labels=` (cross entropy plus the weighted load-balancing loss): 2 stages × 2 data-parallel
+ranks with EP 2 under ZeRO-3 and without EP under DDP, 2 stages alone, and TP 2 × EP 2 under ZeRO-3. One
+process is the reference: the same global microbatches run one after the other with their gradients
+accumulated, as `@sw.step` runs them. The mean loss, every rank's load-balancing loss and every whole
+parameter match it within 1e-5.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -35,7 +36,8 @@ from torch.distributed.tensor import DTensor
 from ...torch_internals import all_reduce_sum
 
 _FUNCTION = "load_balancing_loss_func"
-_ATTRIBUTE = "_shardwise_load_balancing"
+# model -> its GlobalLoadBalancing; beside the model, not on it, so copying the model copies no process group
+_installed: "weakref.WeakKeyDictionary[nn.Module, GlobalLoadBalancing]" = weakref.WeakKeyDictionary()
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -155,7 +157,7 @@ def use_global_load_balancing(model: nn.Module, group: Optional[dist.ProcessGrou
     if getattr(module, _FUNCTION, None) is None:
         return False
     balancing = GlobalLoadBalancing(module, group)
-    setattr(model, _ATTRIBUTE, balancing)
+    _installed[model] = balancing
     # Swapped in for the model's own forward only: other models of the same family keep theirs.
     model.register_forward_pre_hook(lambda *_: setattr(module, _FUNCTION, balancing))
     model.register_forward_hook(lambda *_: setattr(module, _FUNCTION, balancing.original), always_call=True)
@@ -164,4 +166,4 @@ def use_global_load_balancing(model: nn.Module, group: Optional[dist.ProcessGrou
 
 def load_balancing_of(model: nn.Module) -> Optional[GlobalLoadBalancing]:
     """The `GlobalLoadBalancing` installed on `model`, if any."""
-    return getattr(model, _ATTRIBUTE, None)
+    return _installed.get(model)
