@@ -1,11 +1,14 @@
 """CUDA tier: `torch.compile` of each transformer block trains the same math as eager, under ZeRO-3 and TP.
 
 As torchtitan does, each block is compiled on its own (`block.compile()`, which
-keeps the module tree, so names and wrapping are unchanged) and then sharded;
-FSDP2's hooks stay eager around the compiled blocks (dynamo skips them). The
+keeps the module tree, so names are unchanged) once tensor parallelism and sharding
+are applied; FSDP2's hooks stay eager around the compiled blocks (dynamo skips
+them). Under tensor parallelism this fails today, on CPU ranks as well: the TP
+case is marked expected to fail, strictly, so a fix shows as an unexpected pass. The
 compiled run matches the eager run of the same layout on the same device to
-inductor's reordering of fp32 sums. Tensor parallelism needs a device per rank
-(NCCL refuses two ranks on one GPU), so its case runs only where there are two.
+inductor's reordering of fp32 sums. Tensor parallelism runs on two ranks: NCCL
+where there is a device per rank, else gloo over the one device
+(test_cuda_worlds.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import shardwise as sw
 from shardwise.runtime import state
 from shardwise.testing import run_distributed
+from test_cuda_worlds import refusal
 from tiny_models import blocks, build, dataset, make_optimizer, relative_error, seed_step
 
 pytestmark = [pytest.mark.cuda,
@@ -25,17 +29,16 @@ ROWS, STEPS = 4, 3
 TOLERANCE = 1e-4
 
 
-def _train(config: dict, compiled: bool) -> dict:
+def _train(config: dict, kind: str, compiled: bool) -> dict:
     sw.init(config)
-    module = build("gpt2", freeze_key_bias=True)
-    if compiled:
-        for block in blocks(module):
+    model = sw.DistributedModel(build(kind, freeze_key_bias=True))
+    if compiled:  # after tensor parallelism and sharding are applied, as torchtitan compiles
+        for block in blocks(model.get_module()):
             block.compile()
-    model = sw.DistributedModel(module)
     optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
-    train_step = seed_step("gpt2")
+    train_step = seed_step(kind)
     losses = []
-    for inputs, targets in sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS,
+    for inputs, targets in sw.data_loader(dataset(kind, STEPS * ROWS * sw.dp_size()), batch_size=ROWS,
                                           shuffle=False):
         optimizer.zero_grad()
         losses.append(train_step(model, inputs, targets).reduce_mean().item())
@@ -45,11 +48,15 @@ def _train(config: dict, compiled: bool) -> dict:
     return result
 
 
-def compiled_and_eager(config: dict) -> tuple[dict, dict]:
-    return _train(config, True), _train(config, False)
+def compiled_and_eager(config: dict, kind: str) -> dict:
+    try:
+        return {"compiled": _train(config, kind, True), "eager": _train(config, kind, False)}
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        return {"refused": refusal(error)}
 
 
-def _same(compiled: dict, eager: dict) -> None:
+def _same(run: dict) -> None:
+    compiled, eager = run["compiled"], run["eager"]
     torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=TOLERANCE,
                                atol=0)
     worst = max(eager["state"], key=lambda k: relative_error(compiled["state"][k], eager["state"][k]))
@@ -58,15 +65,19 @@ def _same(compiled: dict, eager: dict) -> None:
 
 
 def test_compiled_blocks_under_zero3_train_as_eager():
-    [(compiled, eager)] = run_distributed(compiled_and_eager, 1, {"sharded_data_parallel_degree": 1}, timeout=240)
-    _same(compiled, eager)
+    [run] = run_distributed(compiled_and_eager, 1, {"sharded_data_parallel_degree": 1}, "gpt2", timeout=240)
+    assert "refused" not in run, run["refused"]
+    _same(run)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                    reason="tensor parallelism needs a device per rank: NCCL refuses two ranks on one GPU")
-@pytest.mark.skipif(torch.__version__ < "2.13",
-                    reason="tensor parallelism of GPT-2's packed q/k/v needs torch 2.13 (docs/torch.md)")
+@pytest.mark.xfail(strict=True, reason="compiled blocks under tensor parallelism: backward hands DTensor's "
+                   "redistribution a plain tensor gradient (AttributeError: '_local_tensor'); seen on CPU ranks too")
 def test_compiled_blocks_under_tensor_parallelism_train_as_eager():
-    ranks = run_distributed(compiled_and_eager, 2, {"tensor_parallel_degree": 2}, timeout=240)
-    for compiled, eager in ranks:
-        _same(compiled, eager)
+    """Two ranks: NCCL with a device each, else gloo over the one device (skipped with gloo's words where it refuses
+    a collective tensor parallelism needs). Llama: GPT-2's packed q/k/v needs torch 2.13 (docs/torch.md)."""
+    ranks = run_distributed(compiled_and_eager, 2, {"tensor_parallel_degree": 2}, "llama", timeout=240)
+    refused = [run["refused"] for run in ranks if "refused" in run]
+    if refused:
+        pytest.skip(f"tensor parallelism on 2 ranks of one device over gloo: {refused[0]}")
+    for run in ranks:
+        _same(run)

@@ -5,7 +5,7 @@ collectives (through host staging). With fewer devices than ranks the harness
 starts a gloo world, and shardwise puts every rank on the device it has. The
 first test tries each collective shardwise's layouts use on CUDA tensors and
 prints what worked (`pytest -s`, or the check's log, shows the table); the
-next train ZeRO-3 on two ranks and MiCS 2×2 on four ranks of the one device,
+next train ZeRO-3 and tensor parallelism on two ranks and MiCS 2×2 on four of the one device,
 reported as skipped with gloo's own words where gloo lacks a collective they
 need; the last shows NCCL's refusal. With a device per rank the harness gives every rank NCCL instead, and
 these tests say they are for one device.
@@ -30,7 +30,7 @@ WORLD, ROWS, STEPS = 2, 2, 3
 TOLERANCE = 1e-4
 
 
-def _refusal(error: Exception) -> str:
+def refusal(error: Exception) -> str:
     """A backend's refusal in one line: its type and the first line of its message."""
     lines = str(error).strip().splitlines() or [""]
     return f"{type(error).__name__}: {lines[0][:160]}"
@@ -40,7 +40,7 @@ def _outcome(run) -> str:
     try:
         return "ok" if run() else "wrong result"
     except Exception as error:
-        return _refusal(error)
+        return refusal(error)
 
 
 def collectives_on_cuda_tensors() -> dict[str, str]:
@@ -95,36 +95,39 @@ def test_gloo_collectives_on_cuda_tensors_report_what_works():
     assert ranks[0]["all_reduce"] == ranks[0]["broadcast"] == "ok"  # gloo documents both for CUDA tensors
 
 
-def train_on_one_device(config: dict) -> dict:
+def train_on_one_device(config: dict, kind: str) -> dict:
     try:
         sw.init(config)
-        model = sw.DistributedModel(build("gpt2", freeze_key_bias=True))
+        model = sw.DistributedModel(build(kind, freeze_key_bias=True))
         optimizer = sw.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
-        train_step = seed_step("gpt2")
+        train_step = seed_step(kind)
         losses = []
-        for inputs, targets in sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS,
+        for inputs, targets in sw.data_loader(dataset(kind, STEPS * ROWS * sw.dp_size()), batch_size=ROWS,
                                               shuffle=False):
             optimizer.zero_grad()
             losses.append(train_step(model, inputs, targets).reduce_mean().item())
             optimizer.step()
-        return {"losses": losses, "state": {k: v.detach().cpu() for k, v in model.full_state_dict().items()}}
+        return {"losses": losses, "dp_size": sw.dp_size(),
+                "state": {k: v.detach().cpu() for k, v in model.full_state_dict().items()}}
     except (RuntimeError, NotImplementedError, ValueError) as error:
-        return {"refused": _refusal(error)}
+        return {"refused": refusal(error)}
 
 
-# ZeRO-3 over the whole world; MiCS's partition groups of 2, whose cross-group reduction runs on a side stream.
-SHARED_DEVICE_LAYOUTS = {"zero3": (2, {"sharded_data_parallel_degree": 2}),
-                         "mics-2x2": (4, {"sharded_data_parallel_degree": 2})}
+# ZeRO-3 over the whole world; MiCS's partition groups of 2, whose cross-group reduction runs on a side stream;
+# tensor parallelism of Llama (DTensor's collectives; GPT-2's packed q/k/v needs torch 2.13, docs/torch.md).
+SHARED_DEVICE_LAYOUTS = {"zero3": (2, {"sharded_data_parallel_degree": 2}, "gpt2"),
+                         "mics-2x2": (4, {"sharded_data_parallel_degree": 2}, "gpt2"),
+                         "tp": (2, {"tensor_parallel_degree": 2}, "llama")}
 
 
 @pytest.mark.parametrize("layout", SHARED_DEVICE_LAYOUTS)
-def test_sharded_layouts_on_ranks_sharing_one_device_over_gloo(layout):
-    world, config = SHARED_DEVICE_LAYOUTS[layout]
-    ranks = run_distributed(train_on_one_device, world, config, timeout=120)
+def test_layouts_on_ranks_sharing_one_device_over_gloo(layout):
+    world, config, kind = SHARED_DEVICE_LAYOUTS[layout]
+    ranks = run_distributed(train_on_one_device, world, config, kind, timeout=120)
     refused = [r["refused"] for r in ranks if "refused" in r]
     if refused:
         pytest.skip(f"{layout} on {world} ranks of one device over gloo: {refused[0]}")
-    want = train_reference("gpt2", "sgd", STEPS, ROWS * world)
+    want = train_reference(kind, "sgd", STEPS, ROWS * ranks[0]["dp_size"])  # tensor-parallel peers bring rows too
     losses = torch.tensor([r["losses"] for r in ranks]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(want["losses"]), rtol=TOLERANCE, atol=0)
     worst = max(relative_error(ranks[0]["state"][k], v) for k, v in want["state"].items())
