@@ -31,7 +31,7 @@ from shardwise.parallel.context.all_to_all import all_to_all_attention
 from shardwise.parallel.context.ring import ring_attention
 from shardwise.planner.context import AttentionShape, wire_bytes
 from shardwise.testing import run_distributed, shutdown_pools
-from shardwise.torch_internals import TorchDispatchMode, tree_leaves
+from shardwise.torch_internals import TorchDispatchMode
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

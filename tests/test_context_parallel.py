@@ -10,7 +10,6 @@ is itself checked: transformers keeps documents apart when position ids restart.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -10,7 +10,6 @@ from shardwise.config.decisions import Decisions
 from shardwise.config.layout import layout_problems
 from shardwise.config.validate import config_problems
 from shardwise.config.layout import validate
-from shardwise.errors import ConfigError
 from shardwise.parallel.context import shard_batch, unsplittable_reason
 from shardwise.parallel.context.hooks import _hugging_face_attention
 from shardwise.topology import Cluster, Layout

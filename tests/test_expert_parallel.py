@@ -28,8 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from shardwise.observe.comms import CollectiveWatch
-from shardwise.parallel.experts import (apply_expert_parallel, dispatch_combine, expert_parallel_modules,
-                                        register_experts)
+from shardwise.parallel.experts import apply_expert_parallel, expert_parallel_modules, register_experts
 from shardwise.planner.experts import all_to_all_bytes, expert_shape
 from shardwise.testing import run_distributed
 from tiny_models import dataset, relative_error

@@ -13,7 +13,6 @@ import pickle
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -49,7 +48,6 @@ from shardwise.torch_internals import (
     flash_attention_cpu,
     flash_attention_cpu_backward,
     flatten_mesh,
-    flight_recorder_trace,
     foreach,
     functional_collective_ops,
     grad_scaler_state,

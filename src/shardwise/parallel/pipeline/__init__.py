@@ -22,7 +22,8 @@ from .settings import PipelineSettings
 _EXPORTS = {"apply_pipeline": "apply", "GraphPipeline": "graph", "PipelineParallel": "runner",
             "SCHEDULES": "schedule", "stage_ranks": "schedule"}
 
-__all__ = sorted([*_EXPORTS, "Partition", "PipelineSettings", "find_blocks", "has_block_list", "partition"])
+__all__ = ["GraphPipeline", "Partition", "PipelineParallel", "PipelineSettings", "SCHEDULES", "apply_pipeline",
+           "find_blocks", "has_block_list", "partition", "stage_ranks"]
 
 
 def __getattr__(name: str) -> Any:
