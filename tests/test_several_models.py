@@ -289,3 +289,25 @@ def test_two_pipelined_models_train_side_by_side_in_steps_of_their_own():
     for index in (0, 1):
         got = torch.tensor([r[index] for r in held]).mean(0)
         torch.testing.assert_close(got, torch.tensor(want), rtol=1e-5, atol=0)
+
+
+def _owner_despite_a_stale_original() -> list[str]:
+    """Model A, from an earlier build and not yet collected, took the new model's parameters for originals it
+    replaced (as when a freed original's id is reused by a parameter of the same shape): the optimizer built from
+    model B's own parameters still belongs to B, and one built before A from A's originals to A."""
+    sw.init({"sharded_data_parallel_degree": 2})
+    first = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    early = torch.optim.SGD(first.parameters(), lr=0.1)  # built before its model, from the originals
+    old = sw.DistributedModel(first)
+    new = sw.DistributedModel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    stale = old.original_names._originals
+    record = type(next(iter(stale.values())))
+    for param in new.get_module().parameters():  # the reused ids, simulated
+        stale[id(param)] = record(("0.weight",), param.shape, param.dtype)
+    sw.DistributedOptimizer(torch.optim.SGD(new.parameters(), lr=0.1))
+    sw.DistributedOptimizer(early)
+    return ["ok"]
+
+
+def test_the_model_holding_the_parameters_owns_the_optimizer_before_one_that_replaced_them():
+    assert run_distributed(_owner_despite_a_stale_original, 2) == [["ok"], ["ok"]]

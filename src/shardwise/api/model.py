@@ -313,10 +313,15 @@ class DistributedModel(nn.Module):
         """How `optimizer`, over this model's parameters, steps under its strategy (DistributedOptimizer's)."""
         return self._strategy.bind(optimizer, self.loss_scaler, self._runtime.device)
 
-    def owns_any(self, params: list[torch.Tensor]) -> bool:
-        """Some of `params` are this model's parameters, or ones it replaced when parallelizing."""
+    def holds_any(self, params: list[torch.Tensor]) -> bool:
+        """Some of `params` are this model's parameters."""
         held = {id(p) for p in self.get_module().parameters()}
-        return any(id(p) in held or self.original_names.names_of(p) is not None for p in params)
+        return any(id(p) in held for p in params)
+
+    def replaced_any(self, params: list[torch.Tensor]) -> bool:
+        """Some of `params` look like ones this model replaced when parallelizing (by id, shape and dtype: a
+        tensor made later may reuse a freed original's id, so `holds_any` is asked first)."""
+        return any(self.original_names.names_of(p) is not None for p in params)
 
     def wait_for_parameters(self) -> None:
         """Wait for parameter updates still in flight (ZeRO-1 overlaps them with the next forward)."""

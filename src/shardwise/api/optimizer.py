@@ -25,9 +25,12 @@ DYNAMIC_LOSS_DEFAULTS = {"init_scale": 2.0 ** 32, "scale_factor": 2.0, "scale_wi
 
 
 def _owner(optimizer: torch.optim.Optimizer, models: list) -> Any:
-    """The one DistributedModel that owns the optimizer's parameters."""
+    """The one DistributedModel that owns the optimizer's parameters: the model holding them, else (an optimizer
+    built before the model) the one that replaced them. Holding is asked first: a model from an earlier build
+    that is not yet collected may take a parameter made since, of the same shape, for one it replaced."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    owners = [model for model in models if model.owns_any(params)]
+    owners = ([model for model in models if model.holds_any(params)]
+              or [model for model in models if model.replaced_any(params)])
     if not owners:
         raise ValueError("DistributedOptimizer: none of the optimizer's parameters belongs to a sw.DistributedModel; "
                          "create the DistributedModel first and build the optimizer from its parameters")
