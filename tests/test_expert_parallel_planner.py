@@ -106,33 +106,15 @@ def measure_experts(configs: dict) -> dict:
 
     import shardwise as sw
     from shardwise.runtime import state
-    from test_planner_measured import StepMemory
+    from test_planner_measured import measure_distributed_step
 
     measured = {}
     for name, config in configs.items():
         sw.init(config)
         torch.manual_seed(0)
-        model = sw.DistributedModel(transformers.MixtralForCausalLM(_tiny_mixtral_config()))
-        StepMemory.watch(model.parameters())
-        optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         ids = torch.randint(1, 256, (MEASURED_ROWS, MEASURED_SEQ), generator=torch.Generator().manual_seed(0))
-
-        @sw.step
-        def train_step(model, input_ids, memory):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            if memory:
-                memory.forward_done()
-            model.backward(loss)
-            if memory:
-                memory.backward_done()
-            return loss
-
-        def train(memory):
-            optimizer.zero_grad()
-            train_step(model, ids, memory)
-            optimizer.step()
-
-        measured[name] = StepMemory.of_second_step(train, model, optimizer.optimizer)
+        measured[name] = measure_distributed_step(transformers.MixtralForCausalLM(_tiny_mixtral_config()),
+                                                  {"input_ids": ids, "labels": ids})
         state.set_current(None)  # the next config starts afresh on the same process group
     return measured
 
@@ -141,8 +123,9 @@ def measure_experts(configs: dict) -> dict:
 def expert_runs() -> dict:
     from shardwise.testing import run_distributed
 
-    per_rank = run_distributed(measure_experts, MEASURED_WORLD, MEASURED, timeout=300)
-    return {name: {k: max(rank[name][k] for rank in per_rank) for k in per_rank[0][name]} for name in MEASURED}
+    from test_planner_measured import most_over_ranks
+
+    return most_over_ranks(run_distributed(measure_experts, MEASURED_WORLD, MEASURED, timeout=300), MEASURED)
 
 
 @pytest.mark.parametrize("name", list(MEASURED))

@@ -20,7 +20,7 @@ from shardwise.planner.context import LONG_SEQUENCE, layer_shape, wire_bytes
 from shardwise.planner.hardware import GiB, custom_cluster
 from shardwise.testing import run_distributed
 from shardwise.topology import Cluster
-from test_planner_measured import CPU, StepMemory, _check
+from test_planner_measured import CPU, _check, measure_distributed_step, most_over_ranks
 
 SMALL_LLAMA = resolve_model("llama:hidden_size=1024,num_hidden_layers=4,num_attention_heads=8,num_key_value_heads=4,"
                             "intermediate_size=2816,vocab_size=32000")
@@ -135,35 +135,15 @@ def measure_cp(configs: dict) -> dict:
         sw.init(config)
         torch.manual_seed(0)
         model_class, hf_config = MODELS[name.split()[0]]
-        model = sw.DistributedModel(model_class(hf_config))
-        StepMemory.watch(model.parameters())
-        optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         ids = torch.randint(1, 256, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
-
-        @sw.step
-        def train_step(model, input_ids, memory):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            if memory:
-                memory.forward_done()
-            model.backward(loss)
-            if memory:
-                memory.backward_done()
-            return loss
-
-        def train(memory):
-            optimizer.zero_grad()
-            train_step(model, ids, memory)
-            optimizer.step()
-
-        measured[name] = StepMemory.of_second_step(train, model, optimizer.optimizer)
+        measured[name] = measure_distributed_step(model_class(hf_config), {"input_ids": ids, "labels": ids})
         state.set_current(None)  # the next config starts afresh on the same process group
     return measured
 
 
 @pytest.fixture(scope="module")
 def cp_runs() -> dict:
-    per_rank = run_distributed(measure_cp, WORLD, MEASURED, timeout=300)
-    return {name: {k: max(rank[name][k] for rank in per_rank) for k in per_rank[0][name]} for name in MEASURED}
+    return most_over_ranks(run_distributed(measure_cp, WORLD, MEASURED, timeout=300), MEASURED)
 
 
 @pytest.mark.parametrize("name", list(MEASURED))

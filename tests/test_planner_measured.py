@@ -188,10 +188,19 @@ def measure_shardwise(config: dict) -> dict:
 
     sw.init(config)
     torch.manual_seed(0)
-    model = sw.DistributedModel(transformers.GPT2LMHeadModel(GPT2))
+    measured = measure_distributed_step(transformers.GPT2LMHeadModel(GPT2), _text_batch(256, 64, seed=sw.rank()))
+    state.set_current(None)  # the next config starts afresh on the same process group
+    return measured
+
+
+def measure_distributed_step(module: torch.nn.Module, batch: dict) -> dict:
+    """The second AdamW step of `sw.DistributedModel(module)` on `module(**batch).loss` under the initialised
+    config, measured on this rank by category (ZeRO-1's fp32 masters among the optimizer's tensors)."""
+    import shardwise as sw
+
+    model = sw.DistributedModel(module)
     StepMemory.watch(model.parameters())
     optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    batch = _text_batch(256, 64, seed=sw.rank())
 
     @sw.step
     def train_step(model, batch, memory):
@@ -210,9 +219,12 @@ def measure_shardwise(config: dict) -> dict:
 
     parameters = {id(p) for p in model.parameters()}
     masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in parameters]
-    measured = StepMemory.of_second_step(train, model, optimizer.optimizer, *masters)
-    state.set_current(None)  # the next config starts afresh on the same process group
-    return measured
+    return StepMemory.of_second_step(train, model, optimizer.optimizer, *masters)
+
+
+def most_over_ranks(per_rank: list[dict], names) -> dict:
+    """{name: per-category maximum over the ranks} from each rank's {name: measured}."""
+    return {name: {k: max(rank[name][k] for rank in per_rank) for k in per_rank[0][name]} for name in names}
 
 
 def measure_all(configs: dict) -> dict:
@@ -222,8 +234,7 @@ def measure_all(configs: dict) -> dict:
 @pytest.fixture(scope="module")
 def sharded_runs() -> dict:
     """Every sharded case in one call: {name: per-category maximum over the ranks}."""
-    per_rank = run_distributed(measure_all, WORLD, SHARDED, timeout=300)
-    return {name: {k: max(rank[name][k] for rank in per_rank) for k in per_rank[0][name]} for name in SHARDED}
+    return most_over_ranks(run_distributed(measure_all, WORLD, SHARDED, timeout=300), SHARDED)
 
 
 @pytest.mark.parametrize("name", list(SHARDED))
