@@ -22,6 +22,7 @@ from shardwise.parallel.materialize import materialize
 from shardwise.testing import run_distributed
 import test_expert_parallel as experts_tests
 from test_context_parallel import POSITIONS, SEQ, VOCAB, tiny
+from test_expert_parallel_own_loss import train_on_own_loss
 from tiny_models import dataset, relative_error
 
 STEPS = 3
@@ -168,26 +169,9 @@ def train_moe(family: str, config: dict) -> dict:
     model = sw.DistributedModel(experts_tests._model(family))
     optimizer = sw.DistributedOptimizer(experts_tests._optimizer(model))
 
-    @sw.step
-    def train_step(model, input_ids, labels):
-        output = model(input_ids=input_ids, labels=labels)
-        model.backward(output.loss)
-        return output.loss, output.aux_loss.detach()
-
     world_rows = experts_tests.WORLD * experts_tests.ROWS  # one process's batch per step
     inputs, targets = dataset("llama", STEPS * world_rows).tensors
-    rows = world_rows // sw.rdp_size()
-    losses, aux = [], []
-    for step in range(STEPS):
-        mine = slice(step * world_rows + sw.dp_rank() * rows, step * world_rows + (sw.dp_rank() + 1) * rows)
-        loss, balance = train_step(model, inputs[mine], targets[mine])
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = torch.as_tensor(loss.reduce_mean()).detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / sw.size())
-        aux.append(balance.reduce_mean().item())
-    return {"losses": losses, "aux": aux, "state": model.full_state_dict()}
+    return train_on_own_loss(model, optimizer, inputs, targets, world_rows, world_rows // sw.rdp_size())
 
 
 MOE_CASES = {

@@ -72,17 +72,24 @@ def train(config: dict) -> dict:
     model = sw.DistributedModel(experts_tests._model("mixtral"))
     optimizer = sw.DistributedOptimizer(experts_tests._optimizer(model))
 
+    inputs, targets = _batches()
+    return train_on_own_loss(model, optimizer, inputs, targets, GLOBAL_ROWS, GLOBAL_ROWS // sw.dp_size())
+
+
+def train_on_own_loss(model, optimizer, inputs: torch.Tensor, targets: torch.Tensor, global_rows: int,
+                      rows: int) -> dict:
+    """STEPS steps of `model`'s loss from labels, each on this rank's `rows` (by its dp rank) of the step's
+    `global_rows`; the mean loss over the ranks, this rank's load-balancing loss per step and the whole parameters."""
+
     @sw.step
     def train_step(model, input_ids, labels):
         output = model(input_ids=input_ids, labels=labels)
         model.backward(output.loss)
         return output.loss, output.aux_loss.detach()
 
-    inputs, targets = _batches()
-    rows = GLOBAL_ROWS // sw.dp_size()
     losses, aux = [], []
     for step in range(STEPS):
-        mine = slice(step * GLOBAL_ROWS + sw.dp_rank() * rows, step * GLOBAL_ROWS + (sw.dp_rank() + 1) * rows)
+        mine = slice(step * global_rows + sw.dp_rank() * rows, step * global_rows + (sw.dp_rank() + 1) * rows)
         loss, balance = train_step(model, inputs[mine], targets[mine])
         optimizer.step()
         optimizer.zero_grad()
