@@ -19,7 +19,7 @@ from ..config.describe import describe_layout
 from .failure import format_failure, preemption_line, rank_failures
 from .leftovers import LAUNCH_ID_ENV, new_launch_id, start_reaper, stop_leftovers
 from ..rundir import PREEMPTED_EXIT_CODE, RUN_DIR_ENV, RankLogsSpecs, RunDir, default_run_dir
-from .spec import LaunchSpec, entrypoint, launch_config, rendezvous, rendezvous_env
+from .spec import LaunchSpec, entrypoint, launch_config, rendezvous
 
 # torch's agent logs restarts, SIGTERMs and its own ChildFailedError report; they go to
 # logs/agent-node<K>.log so the console shows the ranks' output and our summary only.
@@ -144,7 +144,7 @@ def launch(spec: LaunchSpec, data: Mapping[str, Any], *, out: Optional[TextIO] =
     launch_id = new_launch_id()
     reaper = start_reaper(launch_id, stop_seconds(config))
     try:
-        with _patched_environ({**worker_env(spec, run_dir, launch_id), **rendezvous_env(spec)}), \
+        with _patched_environ(worker_env(spec, run_dir, launch_id)), \
                 _agent_logs_to(run_dir.agent_log(spec.node_rank)), _restored_signal_handlers():
             elastic_launch(launch_config(spec, logs, stop_seconds(config)), cmd)(*args)
     except ChildFailedError as failure:

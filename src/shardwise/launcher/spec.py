@@ -221,15 +221,6 @@ def rendezvous(spec: LaunchSpec) -> dict:
             "run_id": MULTI_NODE_RUN_ID, "rdzv_configs": {"rank": spec.node_rank}}
 
 
-def rendezvous_env(spec: LaunchSpec) -> dict[str, str]:
-    """What torch's agent reads from the environment to rendezvous afresh on every attempt. By default the
-    ranks' process groups share the rendezvous store, which outlives an attempt: after a restart, gloo reads the
-    addresses the dead attempt's ranks posted there and fails to connect. With sharing off, the first rank hosts
-    a new store on a free port every attempt (c10d rendezvous only: the static one of several nodes always
-    shares, and `runtime.init` puts each attempt's process group under a prefix of its own there)."""
-    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if spec.nnodes == 1 else {}
-
-
 class _EmptyPrefix(str):
     """An empty line-prefix template that torch still treats as given (it tests truthiness and
     otherwise prefixes '[rank0]:'). With one echoed rank per node, its lines need no prefix —
