@@ -59,10 +59,10 @@ def layout_problems(config: ShardwiseConfig, cluster: Cluster) -> tuple[Optional
     problems += _hpz_problems(config, layout, cluster)
     problems += combination_problems(config, layout.dp_replicate)
     problems += expert_problems(config, layout)
-    spanning = [g for g in layout.groups("tp") if len({cluster.node_of(r) for r in g}) > 1]
+    spanning = layout.spanning_group(cluster, "tp")
     if spanning and not any(p.path == "tensor_parallel_degree" for p in problems):
         problems.append(Problem("placement_strategy", config.placement_strategy,
-                                f"puts tensor-parallel group {spanning[0]} on different nodes of "
+                                f"puts tensor-parallel group {spanning} on different nodes of "
                                 f"{cluster.devices_per_node} devices, and TP stays inside a node",
                                 "use a placement with T last, such as 'cluster' (DPT)"))
     return layout, problems

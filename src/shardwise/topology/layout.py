@@ -11,6 +11,7 @@ traffic spans the ranks farthest apart, as SMP numbers them. Pure: no torch.dist
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import product
 from typing import Any
 
@@ -87,14 +88,31 @@ class Layout:
         unknown = [a for a in axes if a not in AXES]
         if unknown:
             raise ValueError(f"unknown axis {unknown[0]!r}; axes are {', '.join(AXES)}")
-        fixed = [a for a in AXES if a not in axes]
-        result = []
-        for fixed_idx in product(*(range(getattr(self, a)) for a in fixed)):
-            base = dict(zip(fixed, fixed_idx))
-            ranks = [self.rank_of({**base, **dict(zip(axes, idx))})
-                     for idx in product(*(range(getattr(self, a)) for a in axes))]
-            result.append(sorted(ranks))
-        return sorted(result)
+        return [list(g) for g in _groups(self, axes)]
 
     def crosses_nodes(self, cluster: Cluster, *axes: str) -> bool:
-        return any(len({cluster.node_of(r) for r in g}) > 1 for g in self.groups(*axes))
+        return bool(self.spanning_group(cluster, *axes))
+
+    def spanning_group(self, cluster: Cluster, *axes: str) -> list[int]:
+        """The first group along `axes` whose ranks sit on more than one node of `cluster`, [] when none does."""
+        self.groups(*axes)  # names an unknown axis
+        return list(_spanning(self, cluster.devices_per_node, axes))
+
+
+# Cached: the planner validates thousands of candidate layouts of thousands of ranks, each asking the same groups.
+@lru_cache(maxsize=1024)
+def _groups(layout: Layout, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    strides = layout.strides()
+    fixed = [a for a in AXES if a not in axes]
+    offsets = [sum(i * strides[a] for a, i in zip(axes, idx))
+               for idx in product(*(range(getattr(layout, a)) for a in axes))]
+    result = []
+    for fixed_idx in product(*(range(getattr(layout, a)) for a in fixed)):
+        base = sum(i * strides[a] for a, i in zip(fixed, fixed_idx))
+        result.append(tuple(sorted(base + offset for offset in offsets)))
+    return tuple(sorted(result))
+
+
+@lru_cache(maxsize=1024)
+def _spanning(layout: Layout, devices_per_node: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+    return next((g for g in _groups(layout, axes) if g[0] // devices_per_node != g[-1] // devices_per_node), ())
