@@ -1,8 +1,13 @@
-"""A pool of spawned worker processes for one world size, kept alive across calls.
+"""A pool of worker processes for one world size, kept alive across calls.
 
 Worker i always runs rank i. Each worker talks to the parent over its own pipe;
 the parent holds only its own ends, so a worker's death shows up as EOF and
-the parent's death as EOF (or a changed parent pid) in every worker.
+the parent's death as EOF (or a parent that is gone) in every worker.
+
+Workers are forked from a server process that imported torch.distributed and the
+modules given to `preload` once (multiprocessing's "forkserver"), so a new pool
+starts in a fraction of a second instead of paying every import in every worker;
+where there is no forkserver, they are spawned.
 """
 
 from __future__ import annotations
@@ -17,11 +22,32 @@ from multiprocessing.connection import wait
 from . import _worker
 
 STARTUP_TIMEOUT = 120.0  # seconds for `size` fresh processes to import torch on a busy machine
+_PRELOAD = ["torch.distributed", "shardwise.runtime.init"]   # what every call needs
+_started = False
+
+
+def preload(*modules: str) -> None:
+    """Import `modules` once in the process the workers are forked from, so that no call pays for them (a test
+    suite's model libraries, say). Only before the first pool starts; a module that cannot be imported is skipped."""
+    if _started:
+        raise RuntimeError("shardwise.testing.preload() must be called before the first run_distributed call")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    global _started
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    if not _started:
+        context.set_forkserver_preload(_PRELOAD)
+        _started = True
+    return context
 
 
 class WorkerPool:
     def __init__(self, size: int):
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context()
         self.size = size
         self.procs, self.conns = [], []
         for i in range(size):

@@ -1,4 +1,4 @@
-"""The worker side of the harness: one spawned process that runs rank i of every call.
+"""The worker side of the harness: one process that runs rank i of every call.
 
 Torch is imported inside the worker only, so the parent (pytest) stays light.
 Each call gets a fresh process group on a fresh FileStore and leaves nothing
@@ -50,10 +50,21 @@ def main(conn, parent_pid: int) -> None:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    # The pipe's EOF only wakes an idle worker; this also ends one stuck inside a call.
-    while os.getppid() == parent_pid:
+    # The pipe's EOF only wakes an idle worker; this also ends one stuck inside a call. The parent is the process
+    # that made the pool, not necessarily this one's parent (a forkserver's child).
+    while _alive(parent_pid):
         time.sleep(1.0)
     os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _run_call(meta: dict, payload: bytes, returned: Callable[[], None]) -> tuple:
