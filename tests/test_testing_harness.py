@@ -179,3 +179,30 @@ def test_workers_exit_when_the_parent_dies():
             break
         time.sleep(0.2)
     assert not any(map(_running, pids))
+
+
+_PRELOADING_PARENT = """
+import sys
+from shardwise.testing import preload, run_distributed
+
+def loaded():
+    return "wave" in sys.modules   # a standard module nothing here imports: there only if preloaded
+
+if __name__ == "__main__":
+    preload("wave")
+    print(*run_distributed(loaded, 2), "wave" in sys.modules)
+    try:
+        preload("json.tool")
+    except RuntimeError as e:
+        print(e)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forkserver")
+def test_preloaded_modules_are_in_every_worker_and_preload_after_the_first_pool_is_refused(tmp_path):
+    script = tmp_path / "preloading.py"
+    script.write_text(_PRELOADING_PARENT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.splitlines()
+    assert out[0] == "True True False"   # in the workers, not imported by the parent itself
+    assert "must be called before the first run_distributed call" in out[1]
