@@ -112,40 +112,44 @@ def test_a_rank_that_skips_a_collective_is_named_within_the_timeout(tmp_path, ca
     assert_checkpoints_intact(tmp_path / "ckpt", torch.load(tmp_path / "saved.pt"), tmp_path)
 
 
-def _rank_0_all_reduces_while_rank_1_sleeps(group: dist.ProcessGroup, sleep: float) -> dict:
-    """Whether rank 0's all-reduce in `group` timed out while rank 1 slept `sleep` s, and its error."""
+def _rank_0_all_reduces_while_rank_1_sleeps(group: dist.ProcessGroup, sleep: float, done: str) -> dict:
+    """Whether rank 0's all-reduce in `group` timed out while rank 1 slept (`sleep` s at most: it wakes when rank 0
+    has its answer, the file `done`), and its error."""
     result = {"ranks": dist.get_process_group_ranks(group)}
     if dist.get_rank() == 0:
         try:
             dist.all_reduce(torch.ones(1), group=group)
         except RuntimeError as error:
             result.update(timed_out=is_collective_timeout(error), error=str(error))
+        Path(done).touch()
     elif dist.get_rank() == 1:
-        time.sleep(sleep)
+        deadline = time.monotonic() + sleep
+        while time.monotonic() < deadline and not Path(done).exists():
+            time.sleep(0.1)
     sw.shutdown(wait=False)
     return result
 
 
-def _time_a_tensor_parallel_collective_rank_1_skips() -> dict:
+def _time_a_tensor_parallel_collective_rank_1_skips(done: str) -> dict:
     """Rank 0 all-reduces in its tensor-parallel group (ranks 0 and 1, a group of the mesh) while rank 1 sleeps."""
     sw.init({"tensor_parallel_degree": 2, "collective_timeout_seconds": TIMEOUT})
-    return _rank_0_all_reduces_while_rank_1_sleeps(state.current().mesh["tp"].get_group(), 3 * TIMEOUT)
+    return _rank_0_all_reduces_while_rank_1_sleeps(state.current().mesh["tp"].get_group(), 3 * TIMEOUT, done)
 
 
-def _time_a_checkpoint_group_collective_rank_1_skips() -> dict:
+def _time_a_checkpoint_group_collective_rank_1_skips(done: str) -> dict:
     """The same in the checkpoint group, which shardwise makes after init."""
     sw.init({"collective_timeout_seconds": TIMEOUT})
-    return _rank_0_all_reduces_while_rank_1_sleeps(checkpoint_group(state.current()), 3 * TIMEOUT)
+    return _rank_0_all_reduces_while_rank_1_sleeps(checkpoint_group(state.current()), 3 * TIMEOUT, done)
 
 
-def test_mesh_groups_wait_the_configured_timeout_not_torchs_default():
+def test_mesh_groups_wait_the_configured_timeout_not_torchs_default(tmp_path):
     """Groups a DeviceMesh makes keep torch's 30-minute default unless shardwise sets theirs."""
-    first = run_distributed(_time_a_tensor_parallel_collective_rank_1_skips, 4, timeout=120)[0]
+    first = run_distributed(_time_a_tensor_parallel_collective_rank_1_skips, 4, str(tmp_path / "done"), timeout=120)[0]
     assert first["ranks"] == [0, 1] and first["timed_out"], first
     assert f"Timed out waiting {TIMEOUT * 1000}ms" in first["error"], first  # gloo names the timeout it waited
 
 
-def test_groups_made_after_init_wait_the_configured_timeout():
+def test_groups_made_after_init_wait_the_configured_timeout(tmp_path):
     """torch's new_group would wait 30 minutes; the checkpoint group waits collective_timeout_seconds."""
-    first = run_distributed(_time_a_checkpoint_group_collective_rank_1_skips, 2, timeout=120)[0]
+    first = run_distributed(_time_a_checkpoint_group_collective_rank_1_skips, 2, str(tmp_path / "done"), timeout=120)[0]
     assert first["timed_out"] and f"Timed out waiting {TIMEOUT * 1000}ms" in first["error"], first
