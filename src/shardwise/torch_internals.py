@@ -217,9 +217,12 @@ def clear_dtensor_caches() -> None:
     """Drop DTensor's sharding-propagation and redistribution caches (they hold DeviceMeshes)."""
     # Private caches with no public reset; nothing public replaces them. What torch.distributed.tensor.debug's
     # private _clear_sharding_prop_cache clears, without importing that module (it loads torch's runtime estimator
-    # and inductor: most of a rank's shutdown): the Python propagator's cache and the C++ fast path's.
+    # and inductor: most of a rank's shutdown): the Python propagator's cache and the C++ fast path's, on a torch
+    # that has that fast path.
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()
 

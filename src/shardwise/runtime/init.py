@@ -70,8 +70,8 @@ def _cluster() -> Cluster:
 
 def _attempt_store() -> Optional[dist.Store]:
     """The agent's store under this attempt's prefix when the ranks share it (as `shardwise run` and torchrun
-    launch them), else None. That store outlives an attempt and torch adds no per-attempt prefix, so a restarted attempt's gloo
-    would read the dead attempt's addresses there."""
+    launch them), else None. That store outlives an attempt and torch adds no per-attempt prefix, so a restarted
+    attempt's gloo would read the dead attempt's addresses there."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     return dist.PrefixStore(attempt_key("process_group"), connect(default_pg_timeout))

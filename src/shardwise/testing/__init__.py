@@ -6,8 +6,9 @@ per rank where there are enough devices) and returns the results by rank.
 
 - Worker processes are pooled per world size and reused, because starting
   Python + torch costs seconds each; they are forked from one process that has
-  imported torch.distributed, and whatever `preload(*modules)` names, once. A call that fails or times out replaces its
-  pool, so no state from a broken call reaches the next one.
+  imported torch.distributed, and whatever `preload(*modules)` names, once. A
+  call that fails or times out replaces its pool, so no state from a broken call
+  reaches the next one.
 - Rendezvous goes through a FileStore in a fresh temp dir: no ports, no races.
 - Every call has a hard timeout; hung ranks' stacks are put into the TimeoutError.
 - Worker output is kept out of the way on success and shown in the error on failure.

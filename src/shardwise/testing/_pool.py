@@ -28,7 +28,8 @@ _started = False
 
 def preload(*modules: str) -> None:
     """Import `modules` once in the process the workers are forked from, so that no call pays for them (a test
-    suite's model libraries, say). Only before the first pool starts; a module that cannot be imported is skipped."""
+    suite's model libraries, say). Only before the first pool starts; a module that cannot be imported is skipped.
+    Where workers are spawned (no forkserver), each imports what it uses itself."""
     if _started:
         raise RuntimeError("shardwise.testing.preload() must be called before the first run_distributed call")
     _PRELOAD.extend(m for m in modules if m not in _PRELOAD)

@@ -85,18 +85,21 @@ class Layout:
 
     def groups(self, *axes: str) -> list[list[int]]:
         """The rank groups that vary along `axes` (together) with the other axes fixed."""
-        unknown = [a for a in axes if a not in AXES]
-        if unknown:
-            raise ValueError(f"unknown axis {unknown[0]!r}; axes are {', '.join(AXES)}")
-        return [list(g) for g in _groups(self, axes)]
+        return [list(g) for g in _groups(self, _known(axes))]
 
     def crosses_nodes(self, cluster: Cluster, *axes: str) -> bool:
         return bool(self.spanning_group(cluster, *axes))
 
     def spanning_group(self, cluster: Cluster, *axes: str) -> list[int]:
         """The first group along `axes` whose ranks sit on more than one node of `cluster`, [] when none does."""
-        self.groups(*axes)  # names an unknown axis
-        return list(_spanning(self, cluster.devices_per_node, axes))
+        return list(_spanning(self, cluster.devices_per_node, _known(axes)))
+
+
+def _known(axes: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [a for a in axes if a not in AXES]
+    if unknown:
+        raise ValueError(f"unknown axis {unknown[0]!r}; axes are {', '.join(AXES)}")
+    return axes
 
 
 # Cached: the planner validates thousands of candidate layouts of thousands of ranks, each asking the same groups.
