@@ -7,6 +7,9 @@ hanging.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -15,7 +18,7 @@ from shardwise.config import ConfigError, parse_config
 from shardwise.rundir import RunDir
 from shardwise.runtime.init import CONFIG_ENV
 from shardwise.testing import run_distributed
-from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error, train_reference
+from tiny_models import build, dataset, loss_fn, make_optimizer, relative_error, train_reference, train_seed_loop
 
 LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", CONFIG_ENV)
 
@@ -144,3 +147,22 @@ def test_config_that_does_not_fit_the_world_fails_on_every_rank():
     errors = run_distributed(init_catching, 4, [{"sharded_data_parallel_degree": 3}] * 4, timeout=60)
     assert all(e.startswith(f"{ConfigError.__name__}: invalid shardwise config: sharded_data_parallel_degree=3: "
                             "must divide the data-parallel degree 4") for e in errors)
+
+
+def train_then_forget(config: dict) -> tuple[bool, bool]:
+    """Train two steps, shut down, drop the model and optimizer: are a parameter and the model gone after one
+    collection? A gradient hook that held its reducer strongly would keep both, and the process groups, forever."""
+    sw.init(config)
+    model = sw.DistributedModel(build("gpt2", freeze_key_bias=True))
+    train_seed_loop(model, "gpt2", steps=2, rows=2)
+    param, module = weakref.ref(next(model.parameters())), weakref.ref(model)
+    sw.shutdown()
+    del model
+    gc.collect()
+    return param() is None, module() is None
+
+
+@pytest.mark.parametrize("config", [{"sharded_data_parallel_degree": 2}, {"shard_optimizer_state": True, "tensor_parallel_degree": 2}],
+                         ids=["mics-cross-group-reduction", "zero1-gradient-buckets-tp2"])
+def test_a_trained_model_is_freed_after_shutdown(config):
+    assert run_distributed(train_then_forget, 4, config, timeout=120) == [(True, True)] * 4

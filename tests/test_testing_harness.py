@@ -54,6 +54,16 @@ def _sleep_on_rank_zero():
         time.sleep(300)
 
 
+def _thread_count():
+    return len(os.listdir("/proc/self/task"))
+
+
+def _init_mics():
+    import shardwise as sw
+
+    sw.init({"sharded_data_parallel_degree": 2})  # a mesh, with views flattened from it: a reference cycle
+
+
 @distributed(world_size=2)
 def _rank_and_world():
     return dist.get_rank(), dist.get_world_size()
@@ -89,6 +99,15 @@ def test_pool_is_reused_across_calls():
     first = run_distributed(os.getpid, 2)
     assert len(set(first)) == 2 and os.getpid() not in first
     assert run_distributed(os.getpid, 2) == first
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts a worker's threads in /proc")
+def test_a_calls_process_groups_end_with_it_and_their_threads_too():
+    """Its meshes' reference cycle would keep the groups, and each group's polling threads, in an idle worker."""
+    before = run_distributed(_thread_count, 4)
+    for _ in range(2):
+        run_distributed(_init_mics, 4)
+    assert run_distributed(_thread_count, 4) == before
 
 
 def test_output_is_quiet_on_success(capfd):

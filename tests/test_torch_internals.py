@@ -262,11 +262,14 @@ def test_strided_shard_is_a_sharding_placement_that_is_no_plain_shard():
 
 def test_clear_dtensor_caches_empties_them_and_dtensor_still_works(mesh):
     from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
 
     t = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])
     assert (t + 1).redistribute(mesh, [Shard(0)]).placements == (Shard(0),)
+    MeshTopoInfo.build_from_mesh(mesh)  # what sharding propagation's cost model caches per mesh
     clear_dtensor_caches()
     assert _redistribute._gen_transform_infos.cache_info().currsize == 0
+    assert MeshTopoInfo.build_from_mesh.cache_info().currsize == 0
     assert (t + 1).redistribute(mesh, [Shard(0)]).to_local().eq(2).all()
 
 

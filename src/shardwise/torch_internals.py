@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from torch.distributed.tensor import DTensor, _redistribute
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
@@ -214,7 +215,8 @@ def strided_shard(dim: int, chunks: int) -> Placement:
 
 
 def clear_dtensor_caches() -> None:
-    """Drop DTensor's sharding-propagation and redistribution caches (they hold DeviceMeshes)."""
+    """Drop DTensor's sharding-propagation, redistribution and mesh-topology caches (they hold DeviceMeshes,
+    and a DeviceMesh holds its process groups)."""
     # Private caches with no public reset; nothing public replaces them. What torch.distributed.tensor.debug's
     # private _clear_sharding_prop_cache clears, without importing that module (it loads torch's runtime estimator
     # and inductor: most of a rank's shutdown): the Python propagator's cache and the C++ fast path's, on a torch
@@ -225,6 +227,7 @@ def clear_dtensor_caches() -> None:
         clear_fast_path()
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()  # redistribution's cost model, per mesh
 
 
 def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import functools
+import gc
 import os
 import pickle
 import signal
@@ -37,6 +38,7 @@ def main(conn, parent_pid: int) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     import torch.distributed  # noqa: F401  pay the import before the first call's timeout starts
 
+    gc.freeze()  # what the worker starts with lives as long as it does: collections after each call skip it
     conn.send_bytes(b"ready")
     while True:
         try:
@@ -47,6 +49,10 @@ def main(conn, parent_pid: int) -> None:
             os._exit(0)  # skip interpreter teardown: collecting torch's objects takes seconds
         returned = functools.partial(conn.send_bytes, pickle.dumps(("returned",)))
         conn.send_bytes(pickle.dumps(_run_call(meta, payload, returned)))
+        # A DeviceMesh and the meshes flattened from it refer to each other, so the call's process groups (and
+        # each gloo group's threads, which poll) would outlive it until a full collection, which an idle worker
+        # never reaches.
+        gc.collect()
 
 
 def _exit_with_parent(parent_pid: int) -> None:

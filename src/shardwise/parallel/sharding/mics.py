@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from ...torch_internals import at_backward_end, version
 from ..zero1.shares import IN_FLIGHT
+from ..hooks import post_accumulate_grad_hook
 
 
 class _Unit:
@@ -127,7 +128,7 @@ class CrossGroupReduction:
         self._accelerator = None if device.type == "cpu" else torch.get_device_module(device.type)
         self._stream = self._accelerator and self._accelerator.Stream()
         for param in self._unit_of:
-            param.register_post_accumulate_grad_hook(self._delivered)
+            post_accumulate_grad_hook(param, self._delivered)
 
     @property
     def pending(self) -> int:

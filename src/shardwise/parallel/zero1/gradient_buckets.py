@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...torch_internals import at_backward_end
+from ..hooks import post_accumulate_grad_hook
 from ..local import local_tensor
 from . import shares
 
@@ -86,7 +87,7 @@ class GradientBuckets:
         self._round_open = False
         for param in self._bucket_of:
             if id(param) not in deferred:
-                param.register_post_accumulate_grad_hook(self._gradient_accumulated)
+                post_accumulate_grad_hook(param, self._gradient_accumulated)
 
     @torch.no_grad()
     def _gradient_accumulated(self, param: nn.Parameter) -> None:
