@@ -64,6 +64,14 @@ def _init_mics():
     sw.init({"sharded_data_parallel_degree": 2})  # a mesh, with views flattened from it: a reference cycle
 
 
+_KEPT_GROUPS = []
+
+
+def _keep_groups(count):
+    """Process groups a test leaves referenced: gloo's threads live on in the worker."""
+    _KEPT_GROUPS.extend(dist.new_group() for _ in range(count))
+
+
 @distributed(world_size=2)
 def _rank_and_world():
     return dist.get_rank(), dist.get_world_size()
@@ -108,6 +116,15 @@ def test_a_calls_process_groups_end_with_it_and_their_threads_too():
     for _ in range(2):
         run_distributed(_init_mics, 4)
     assert run_distributed(_thread_count, 4) == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts a worker's threads in /proc")
+def test_a_worker_left_holding_process_groups_is_replaced():
+    pids = run_distributed(os.getpid, 2)
+    run_distributed(_keep_groups, 2, 2)  # a few threads more: kept
+    assert run_distributed(os.getpid, 2) == pids
+    run_distributed(_keep_groups, 2, 10)  # thirty: replaced before its next call
+    assert set(run_distributed(os.getpid, 2)).isdisjoint(pids)
 
 
 def test_output_is_quiet_on_success(capfd):

@@ -16,8 +16,8 @@ from . import _worker
 from ._pool import WorkerPool
 
 GRACE = 5.0  # seconds the other ranks get to answer after one has failed
-# Beyond this, the least recently used pools are stopped. Not more: a worker keeps the threads of every gloo group
-# its tests made (hundreds after a long run), and a pool living through the whole suite slows every test it runs.
+# Beyond this, the least recently used pools are stopped: each idle worker holds a few hundred MB. (A worker whose
+# calls leave process groups alive, each with threads that poll, asks to be replaced: see _worker.LEAKED_THREADS.)
 MAX_IDLE_WORKERS = 8
 TAIL_LINES, TAIL_BYTES = 60, 16_000  # of a rank's output shown in an error
 
@@ -128,7 +128,7 @@ def _check_sizes(world_size: int, nproc_per_node: int | None, timeout: float) ->
 
 def _pool_for(world_size: int) -> WorkerPool:
     pool = _pools.pop(world_size, None)
-    if pool is not None and not pool.alive():
+    if pool is not None and (pool.retiring or not pool.alive()):
         pool.kill()
         pool = None
     if pool is None:

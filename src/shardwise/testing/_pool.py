@@ -51,6 +51,7 @@ class WorkerPool:
         ctx = _context()
         self.size = size
         self.procs, self.conns = [], []
+        self.retiring = False  # a worker kept threads of a call's process groups: replace the pool before reuse
         for i in range(size):
             parent_end, child_end = ctx.Pipe()
             # Not daemonic: a test may start its own child processes (e.g. DataLoader workers).
@@ -100,6 +101,9 @@ class WorkerPool:
                 if reply[0] == "returned":
                     returned.add(rank)
                     continue
+                if reply[0] == "retiring":
+                    self.retiring = True
+                    continue
                 replies[rank] = reply
                 del pending[conn]
                 if reply[0] != "ok":
@@ -116,7 +120,7 @@ class WorkerPool:
             # another rank's failure (those are raised): rank it first with time 0.
             died = f"the worker process died (exit code {self.procs[rank].exitcode})"
             return ("error", died, "", 0.0)
-        if reply[0] != "ok":  # "returned" or "error"
+        if reply[0] != "ok":  # "returned", "retiring" or "error"
             return reply
         try:
             return ("ok", pickle.loads(reply[1]))

@@ -22,6 +22,8 @@ import traceback
 from typing import Callable
 
 _in_call = False
+# Threads a worker may keep beyond those it started with (a gloo process group has three) before it is replaced.
+LEAKED_THREADS = 24
 
 
 def in_call() -> bool:
@@ -39,6 +41,7 @@ def main(conn, parent_pid: int) -> None:
     import torch.distributed  # noqa: F401  pay the import before the first call's timeout starts
 
     gc.freeze()  # what the worker starts with lives as long as it does: collections after each call skip it
+    threads_at_start = _os_threads()
     conn.send_bytes(b"ready")
     while True:
         try:
@@ -48,11 +51,23 @@ def main(conn, parent_pid: int) -> None:
             sys.stderr.flush()
             os._exit(0)  # skip interpreter teardown: collecting torch's objects takes seconds
         returned = functools.partial(conn.send_bytes, pickle.dumps(("returned",)))
-        conn.send_bytes(pickle.dumps(_run_call(meta, payload, returned)))
+        reply = _run_call(meta, payload, returned)
         # A DeviceMesh and the meshes flattened from it refer to each other, so the call's process groups (and
         # each gloo group's threads, which poll) would outlive it until a full collection, which an idle worker
-        # never reaches.
+        # never reaches. Groups still alive after it are held by something the call left behind (a tensor hook
+        # that refers back to its tensor makes a cycle no collection breaks): the worker asks to be replaced.
         gc.collect()
+        if _os_threads() > threads_at_start + LEAKED_THREADS:
+            conn.send_bytes(pickle.dumps(("retiring",)))
+        conn.send_bytes(pickle.dumps(reply))
+
+
+def _os_threads() -> int:
+    """This process's threads, C++ ones included (0 where /proc does not list them)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def _exit_with_parent(parent_pid: int) -> None:
