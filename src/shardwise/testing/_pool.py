@@ -51,7 +51,7 @@ class WorkerPool:
         ctx = _context()
         self.size = size
         self.procs, self.conns = [], []
-        self.retiring = False  # a worker kept threads of a call's process groups: replace the pool before reuse
+        self.retiring = False  # a worker kept threads of a call's process groups: replace the pool after this call
         for i in range(size):
             parent_end, child_end = ctx.Pipe()
             # Not daemonic: a test may start its own child processes (e.g. DataLoader workers).

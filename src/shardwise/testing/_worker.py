@@ -51,15 +51,15 @@ def main(conn, parent_pid: int) -> None:
             sys.stderr.flush()
             os._exit(0)  # skip interpreter teardown: collecting torch's objects takes seconds
         returned = functools.partial(conn.send_bytes, pickle.dumps(("returned",)))
-        reply = _run_call(meta, payload, returned)
+        conn.send_bytes(pickle.dumps(_run_call(meta, payload, returned)))
         # A DeviceMesh and the meshes flattened from it refer to each other, so the call's process groups (and
         # each gloo group's threads, which poll) would outlive it until a full collection, which an idle worker
-        # never reaches. Groups still alive after it are held by something the call left behind (a tensor hook
-        # that refers back to its tensor makes a cycle no collection breaks): the worker asks to be replaced.
+        # never reaches; collected after the reply, while the caller goes on. Groups still alive after it are held
+        # by something the call left behind (a tensor hook that refers back to its tensor makes a cycle no
+        # collection breaks): the worker asks to be replaced, which the caller reads during the next call.
         gc.collect()
         if _os_threads() > threads_at_start + LEAKED_THREADS:
             conn.send_bytes(pickle.dumps(("retiring",)))
-        conn.send_bytes(pickle.dumps(reply))
 
 
 def _os_threads() -> int:
