@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -53,17 +52,11 @@ class TrialResult:
         return self.failure is None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_command(script: str, script_args: Sequence[str], config_path: Path, run_dir: Path, nproc: int,
-                   port: Optional[int] = None) -> list[str]:
-    """The `shardwise run` a trial is (with the Python running this one, so the same shardwise)."""
-    port_flags = ["--master-port", str(port)] if port else []
-    return [sys.executable, "-c", _CLI, "run", "--nproc-per-node", str(nproc), *port_flags, "--config",
+def launch_command(script: str, script_args: Sequence[str], config_path: Path, run_dir: Path,
+                   nproc: int) -> list[str]:
+    """The `shardwise run` a trial is (with the Python running this one, so the same shardwise). One node:
+    the launcher's rendezvous takes a free port itself."""
+    return [sys.executable, "-c", _CLI, "run", "--nproc-per-node", str(nproc), "--config",
             str(config_path), "--run-dir", str(run_dir), "--console-ranks", "none", script, *script_args]
 
 
@@ -133,7 +126,7 @@ def run_trial(config: dict[str, Any], script: str, script_args: Sequence[str], *
     measured = {**config, "metrics_interval": 1, "metrics_dir": str(run_dir.resolve() / "metrics")}
     config_path.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
     env = {**os.environ, STOP_AFTER_STEPS_ENV: str(steps)}
-    command = launch_command(script, script_args, config_path, run_dir, nproc, free_port())
+    command = launch_command(script, script_args, config_path, run_dir, nproc)
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     code, err, hung = _wait(proc, deadline_s)
