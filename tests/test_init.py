@@ -150,8 +150,8 @@ def test_config_that_does_not_fit_the_world_fails_on_every_rank():
 
 
 def train_then_forget(config: dict) -> tuple[bool, bool]:
-    """Train two steps, shut down, drop the model and optimizer: are a parameter and the model gone after one
-    collection? A gradient hook that held its reducer strongly would keep both, and the process groups, forever."""
+    """Train two steps, shut down, drop the model (the optimizer went with the loop): are a parameter and the
+    model gone after one collection? A gradient hook that held its reducer strongly would keep both, and the process groups, forever."""
     sw.init(config)
     model = sw.DistributedModel(build("gpt2", freeze_key_bias=True))
     train_seed_loop(model, "gpt2", steps=2, rows=2)
@@ -162,7 +162,8 @@ def train_then_forget(config: dict) -> tuple[bool, bool]:
     return param() is None, module() is None
 
 
-@pytest.mark.parametrize("config", [{"sharded_data_parallel_degree": 2}, {"shard_optimizer_state": True, "tensor_parallel_degree": 2}],
+@pytest.mark.parametrize("config", [{"sharded_data_parallel_degree": 2},
+                                    {"shard_optimizer_state": True, "tensor_parallel_degree": 2}],
                          ids=["mics-cross-group-reduction", "zero1-gradient-buckets-tp2"])
 def test_a_trained_model_is_freed_after_shutdown(config):
     assert run_distributed(train_then_forget, 4, config, timeout=120) == [(True, True)] * 4

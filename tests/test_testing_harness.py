@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.testing import DistributedTestError, distributed, run_distributed
+from shardwise.testing._worker import _os_threads
 
 
 def _all_reduce_rank_plus_one():
@@ -52,10 +53,6 @@ def _exit_on_rank_one():
 def _sleep_on_rank_zero():
     if dist.get_rank() == 0:
         time.sleep(300)
-
-
-def _thread_count():
-    return len(os.listdir("/proc/self/task"))
 
 
 def _init_mics():
@@ -112,10 +109,10 @@ def test_pool_is_reused_across_calls():
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts a worker's threads in /proc")
 def test_a_calls_process_groups_end_with_it_and_their_threads_too():
     """Its meshes' reference cycle would keep the groups, and each group's polling threads, in an idle worker."""
-    before = run_distributed(_thread_count, 4)
+    before = run_distributed(_os_threads, 4)
     for _ in range(2):
         run_distributed(_init_mics, 4)
-    assert run_distributed(_thread_count, 4) == before
+    assert run_distributed(_os_threads, 4) == before
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts a worker's threads in /proc")

@@ -51,8 +51,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...torch_internals import at_backward_end, version
-from ..zero1.shares import IN_FLIGHT
 from ..hooks import post_accumulate_grad_hook
+from ..zero1.shares import IN_FLIGHT
 
 
 class _Unit:
