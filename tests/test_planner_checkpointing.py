@@ -157,3 +157,36 @@ def test_keeping_matmuls_recomputes_only_memory_bound_ops():
     seconds = {s: predict_step_time(spec, parse_config({}), Layout(), cluster, 4, 1024, s).recompute
                for s in ("none", "each:matmul", "each")}
     assert 0 == seconds["none"] < seconds["each:matmul"] < 0.2 * seconds["each"]
+
+
+def test_alternate_matmul_keeps_every_other_projection_of_a_llama_block():
+    """torchtitan's op policy ("each:alternate_matmul") keeps the 1st, 3rd, 5th and 7th aten.mm of a block in
+    forward order (q, v, gate, down) and the attention kernel's outputs: for Llama 3 8B in bf16 with flash
+    attention, (4096 + 1024 + 14336 + 4096) x 2 bytes + the output (4096 x 2) and its log-sum-exp (32 x 4) per
+    token, against all seven products' (q, k, v, o, gate, up, down) under "matmul"; it recomputes k, o and up."""
+    from shardwise.planner.activations import Numerics, kept_matmul_bytes, recomputed_matmul_share
+    from shardwise.planner.errors import PlanError
+    llama = spec_from_hf({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+                          "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                          "vocab_size": 128256, "max_position_embeddings": 8192}, "llama-3-8b")
+    bf16, gpu = Numerics(2, logits=4), cluster_preset("p4d.24xlarge").device.kernels
+    attention = 4096 * 2 + 32 * 4
+    assert kept_matmul_bytes(llama, 8192, bf16, gpu, 1, False, "alternate_matmul") == \
+        (4096 + 1024 + 14336 + 4096) * 2 + attention
+    assert kept_matmul_bytes(llama, 8192, bf16, gpu, 1, False) == \
+        (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096) * 2 + attention
+    dropped = 4096 * 1024 + 4096 * 4096 + 4096 * 14336
+    every = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
+    assert recomputed_matmul_share(llama, "each:alternate_matmul") == pytest.approx(dropped / every)
+    assert recomputed_matmul_share(llama, "each:matmul") == 0 and recomputed_matmul_share(llama, "each") == 1
+    layout, config = Layout(), parse_config({"bf16": True})
+    memory = {s: predict_memory(llama, config, layout, 1, 2048, s).activations
+              for s in ("each", "each:alternate_matmul", "each:matmul")}
+    assert memory["each"] < memory["each:alternate_matmul"] < memory["each:matmul"]
+    cluster = cluster_preset("p4d.24xlarge")
+    seconds = {s: predict_step_time(llama, config, layout, cluster, 1, 2048, s).recompute
+               for s in ("each:matmul", "each:alternate_matmul", "each")}
+    assert seconds["each:matmul"] < seconds["each:alternate_matmul"] < seconds["each"]
+    with pytest.raises(PlanError, match="alternate_matmul"):
+        predict_memory(spec_from_hf(transformers.GPT2Config().to_dict(), "gpt2"), config, layout, 1, 1024,
+                       "each:alternate_matmul")

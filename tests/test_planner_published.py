@@ -16,7 +16,7 @@ RUNS = yaml.safe_load((Path(__file__).parent / "planner_published_runs.yaml").re
 
 # Trained runs the planner says do not fit, and why (docs/planner.md): Llama 3 405B keeps 16 microbatches of
 # activations without checkpointing on its first stage (141 GiB as shardwise would hold them); the others are
-# within the 10 % fragmentation margin of the device (the memory model is 15 % over torchtitan's published peak).
+# within the 10 % fragmentation margin of the device.
 NOT_FITTING = {
     "Llama 3 405B, 8192 x H100 80GB, TP 8 x PP 16 x DP 64",
     "Llama 3 405B, 16384 x H100 80GB, TP 8 x PP 16 x DP 128",
@@ -54,7 +54,7 @@ def test_spearman_ranks():
 
 def test_the_comparison_as_measured(summary):
     print("\n" + summary.table())
-    assert summary.mean_absolute_error < 0.21
+    assert summary.mean_absolute_error < 0.19
     assert summary.mfu_rank_correlation > 0.85
     assert summary.within(0.15) >= 14
     assert summary.within(0.25) >= 20
@@ -70,6 +70,19 @@ def test_megatron_weak_scaling_within_15_percent(summary):
 def test_no_run_is_off_by_more_than_60_percent(summary):
     assert all(-0.2 < c.error < 0.6 for c in summary.comparisons), \
         [(c.name, f"{c.error:+.0%}") for c in summary.comparisons]
+
+
+def test_the_published_peak_memory(summary):
+    """torchtitan's one published peak (Llama 3.1 8B on 8 H100s, 82.4 GiB reserved by the caching allocator):
+    the planner's total less the runtime reserve (the CUDA context, which the allocator does not hold) is within
+    ±15 % of it (docs/planner.md: −12 %, the loss's backward transient not modelled)."""
+    peaks = {run["name"]: run["published_peak_gib"] for run in RUNS if "published_peak_gib" in run}
+    assert peaks
+    for c in summary.comparisons:
+        if c.name in peaks:
+            memory = c.evaluation.memory
+            predicted = (memory.total - memory.runtime) / 2 ** 30
+            assert predicted == pytest.approx(peaks[c.name], rel=0.15), (c.name, predicted)
 
 
 def test_trained_runs_predicted_not_to_fit_are_the_documented_ones(summary):

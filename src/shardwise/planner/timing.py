@@ -23,7 +23,8 @@ from ..topology import Layout
 from ..config.decisions import Decisions
 from . import assumptions as A
 from . import context, efficiency, experts
-from .activations import keeps_matmuls, recomputed_elementwise_bytes, region_blocks
+from .activations import keeps_matmuls, recomputed_elementwise_bytes, recomputed_matmul_share, region_blocks, \
+    split_checkpointing
 from .bubbles import bubble_share, busiest_rank
 from .collectives import GroupShape, LinkTime, collective_time, group_shape, p2p_time
 from .efficiency import BlockSeconds, block_seconds, head_seconds
@@ -291,15 +292,17 @@ def pipeline_slots(config: ShardwiseConfig, layout: Layout) -> int:
 def _recompute_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec, micro_batch: int,
                        seq: int, checkpointing: str, blocks: BlockSeconds) -> float:
     """A checkpointed stage recomputes its blocks' forward; one keeping its matmuls only their elementwise ops,
-    memory-bound: each tensor they keep written and its input read once, at the device's memory bandwidth."""
+    memory-bound: each tensor they keep written and its input read once, at the device's memory bandwidth;
+    one keeping every other matmul ("alternate_matmul") also the products it did not keep."""
     if not region_blocks(checkpointing, spec.stage_layers(layout.pp)):
         return 0.0
     if not keeps_matmuls(checkpointing):
         return blocks.forward
+    policy = split_checkpointing(checkpointing)[1]
     per_token = recomputed_elementwise_bytes(spec, seq, numerics(config, layout), cluster.device.kernels, layout.tp,
-                                             config.sequence_parallel)
+                                             config.sequence_parallel, policy)
     return (2 * per_token * micro_batch * seq / layout.cp * busiest_rank(spec, config, layout.pp).blocks
-            / cluster.device.streaming_bandwidth)
+            / cluster.device.streaming_bandwidth + recomputed_matmul_share(spec, checkpointing) * blocks.matmul_forward)
 
 
 def _stage_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
