@@ -11,7 +11,8 @@ this kernel has no `netem`), so each direction carries at most the rate. Ranks
 on one node talk over its loopback; only traffic between the nodes crosses the
 pair, and each end's `tx_bytes` counts what left that node. `launch` starts
 `shardwise run --nnodes 2` node agents, one in each namespace, with gloo bound to
-the node's end of the pair (`GLOO_SOCKET_IFNAME`). Needs root (CAP_NET_ADMIN).
+the node's end of the pair (`GLOO_SOCKET_IFNAME`); `on_nodes` any per-node command
+so (bench/tune.py runs `shardwise tune` on both). Needs root (CAP_NET_ADMIN).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 MASTER_PORT = 29577
@@ -40,10 +41,14 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
 
+def bytes_per_second(rate: str) -> float:
+    """tc's rate (e.g. 400mbit) in bytes per second."""
+    return float(rate.lower().removesuffix("bit").replace("k", "e3").replace("m", "e6").replace("g", "e9")) / 8
+
+
 def _burst(rate: str) -> str:
     """The bucket: 4 ms at the rate, at least 64 kB (one GSO segment must fit, or tbf drops it)."""
-    bits = float(rate.lower().removesuffix("bit").replace("k", "e3").replace("m", "e6").replace("g", "e9"))
-    return f"{max(int(bits / 8 * 0.004), 64 * 1024)}b"
+    return f"{max(int(bytes_per_second(rate) * 0.004), 64 * 1024)}b"
 
 
 class Cluster:
@@ -80,21 +85,31 @@ class Cluster:
         for node in self.nodes:
             _ip("netns", "del", node, check=False)
 
-    def launch(self, script: Sequence[str], nproc_per_node: int, run_dir: str, timeout: float) -> None:
-        """Run `shardwise run ... script` on both nodes (2 × `nproc_per_node` ranks); raise if either fails."""
-        shardwise = shutil.which("shardwise") or sys.exit("bench/netns.py: the `shardwise` command is not installed")
+    def on_nodes(self, command: Callable[[int], list[str]], timeout: float) -> list[str]:
+        """Run `command(node)` in each node's namespace, gloo bound to its end of the pair; each node's output.
+        Raise if either fails."""
         agents = []
         for rank, (node, iface) in enumerate(zip(self.nodes, self.ifaces)):
-            command = ["ip", "netns", "exec", node, shardwise, "run", "--nnodes", "2", "--node-rank", str(rank),
-                       "--nproc-per-node", str(nproc_per_node), "--master-addr", ADDRESSES[0],
-                       "--master-port", str(MASTER_PORT), "--run-dir", run_dir, "--console-ranks", "none", *script]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": iface}
-            agents.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True))
+            agents.append(subprocess.Popen(["ip", "netns", "exec", node, *command(rank)], env=env,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
         for rank, (agent, output) in enumerate(zip(agents, outputs)):
             if agent.returncode != 0:
                 raise RuntimeError(f"node {rank} exited {agent.returncode}:\n{output[-3000:]}")
+        return outputs
+
+    def launch(self, script: Sequence[str], nproc_per_node: int, run_dir: str, timeout: float) -> None:
+        """Run `shardwise run ... script` on both nodes (2 × `nproc_per_node` ranks); raise if either fails."""
+        shardwise = shutil.which("shardwise") or sys.exit("bench/netns.py: the `shardwise` command is not installed")
+        self.on_nodes(lambda rank: [shardwise, "run", *self.node_flags(rank), "--nproc-per-node", str(nproc_per_node),
+                                    "--run-dir", run_dir, "--console-ranks", "none", *script], timeout)
+
+    @staticmethod
+    def node_flags(rank: int) -> list[str]:
+        """Node `rank`'s place in a launch (or a tuning run) across the two nodes."""
+        return ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", ADDRESSES[0], "--master-port",
+                str(MASTER_PORT)]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

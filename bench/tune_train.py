@@ -24,7 +24,8 @@ CONFIGS = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=sorted(CONFIGS), required=True)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank per step")
+    p.add_argument("--global-batch", type=int, default=32,
+                   help="sequences per step over all replicas, as the planner plans it: each reads its share")
     p.add_argument("--steps", type=int, default=1000)
     args = p.parse_args()
     sw.init()
@@ -38,10 +39,13 @@ def main() -> None:
         model.backward(loss)
         return loss
 
-    generator = torch.Generator().manual_seed(sw.dp_rank())
+    # A replica is the ranks that read the same rows (a pipeline's stages, a tensor-parallel group with the
+    # planner's prescaled_batch): the step's rows split over the replicas.
+    rows = args.global_batch // sw.rdp_size()
+    generator = torch.Generator().manual_seed(sw.rdp_rank())
     for _ in range(args.steps):
         optimizer.zero_grad()
-        train_step(model, torch.randint(VOCAB, (args.batch_size, SEQ), generator=generator)).reduce_mean()
+        train_step(model, torch.randint(VOCAB, (rows, SEQ), generator=generator)).reduce_mean()
         optimizer.step()
     sw.shutdown()
 

@@ -1,4 +1,4 @@
-"""`shardwise tune`: the planner's best layouts for this node, each run with the user's own script for a few steps;
+"""`shardwise tune`: the planner's best layouts for this cluster, each run with the user's own script for a few steps;
 the measured best written as a config `shardwise run --config` takes (docs/tune.md)."""
 
 from __future__ import annotations
@@ -7,46 +7,68 @@ import argparse
 import re
 import shutil
 import sys
+import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import deepspeed
 from ..config.deepspeed.autotuning import tune_settings
 from ..config.sources import load_dict, read_file
 from ..planner import CHECKPOINTING, MODEL_PRESETS, PlanError, resolve_model
-from ..planner.cluster_file import is_cluster_file, resolve_cluster
+from ..planner.cluster_file import CLUSTER_VALUES, is_cluster_file, resolve_cluster
 from ..tune import METRICS, TuneSettings, candidates, tune
 from ..tune.bound import DEFAULT_MARGIN
 from ..tune.calibrate import calibrate_results
+from ..tune.nodes import NodeChannel, across_nodes, follow, free_port
 from ..tune.results import RESULT_FILES, best_command, print_results, write_results
-from ..tune.trial import launch_best
+from ..tune.trial import NodePlace, launch_best
 from ..tune.tuner import TRIALS_FILE
-from .flags import positive
-from .plan import _shape
+from .flags import fraction, positive
+from .plan import _CLUSTER_FLAGS, _shape
+
+# `shardwise plan`'s cluster value flags a tuning run takes (the shape is the launch's): the values a cluster file
+# keeps, so `shardwise calibrate` predicts the trials on the cluster they were planned on.
+TUNE_CLUSTER_FLAGS = [f for f in _CLUSTER_FLAGS if f[1] in ("peak_flops", *CLUSTER_VALUES)]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tune", help="run the planner's best layouts for a few steps each and keep the measured best",
-        description="Ask the planner for its ranked layouts of --model on this node, run the script under each of "
+        description="Ask the planner for its ranked layouts of --model on this cluster, run the script under each of "
                     "the top --trials as a real `shardwise run` stopped after --steps optimizer steps, measure step "
                     "time after warm-up, throughput and peak memory per rank, name each failure (refused, "
                     "out_of_memory, hang, crash, unmeasured) and go on. Writes <results>/trials.jsonl, one run "
                     "directory per trial, best_config.json, best_cmd.txt, summary.json and tune_report.html, and "
                     "prints predicted vs measured per trial with Spearman's rho and the regret of the planner's "
-                    "pick. One node only. Exit 2 on bad input, 1 when no trial was measured.")
+                    "pick. Across nodes, run the same command on every node (--nnodes, --node-rank, --master-addr, or "
+                    "--hostfile). Exit 2 on bad input, 1 when no trial was measured.")
     p.add_argument("--model", required=True, metavar="MODEL",
                    help=f"the model the script trains, as `shardwise plan --model` takes it (a preset such as "
                         f"{', '.join(sorted(MODEL_PRESETS)[:3])}, FAMILY[:key=value,...], a config.json path or "
                         "module:function)")
     p.add_argument("--input-shape", type=_shape, metavar="D[,D...]",
                    help="with module:function: one sample's shape, as `shardwise plan --input-shape` takes it")
-    p.add_argument("--nproc-per-node", type=positive(int), default=1, metavar="N", help="ranks per trial (default 1)")
-    p.add_argument("--nnodes", type=positive(int), default=1, metavar="M",
-                   help="nodes (only 1: tuning across nodes is not built)")
+    p.add_argument("--nproc-per-node", type=positive(int), default=None, metavar="N",
+                   help="ranks per node in each trial (default 1; with --hostfile, its slots)")
+    nodes = p.add_argument_group(
+        "across nodes", "Run the same command on every node, as `shardwise run` is: node 0 plans, announces each "
+                        "trial and keeps the results, every node launches its share (docs/tune.md)")
+    nodes.add_argument("--nnodes", type=positive(int), default=None, metavar="M", help="nodes (default 1)")
+    nodes.add_argument("--node-rank", "--node_rank", type=int, default=None, metavar="R", help="this node's index")
+    nodes.add_argument("--master-addr", "--master_addr", default=None, metavar="ADDR",
+                       help="node 0's address, where the nodes meet")
+    nodes.add_argument("--master-port", "--master_port", type=int, default=None, metavar="PORT",
+                       help="the port node 0 coordinates the tuning run on (default 29500); each trial's launch "
+                            "meets at a free port node 0 picks")
+    nodes.add_argument("-H", "--hostfile", default=None, metavar="FILE",
+                       help="DeepSpeed's hostfile: sets --nnodes, --master-addr and this node's rank from its hostname")
     p.add_argument("--cluster", default="local", metavar="PRESET|FILE",
-                   help="the planner's description of this node's devices (default local: this machine's CPUs); "
-                        "e.g. p4d.24xlarge on such a node, or a cluster file --calibrate wrote")
+                   help="the planner's description of each node's devices (default local: this machine's CPUs); "
+                        "e.g. p4d.24xlarge on such nodes, or a cluster file --calibrate wrote")
+    values = p.add_argument_group("cluster values (over --cluster's, as `shardwise plan` takes them)")
+    for flag, dest, _, kind, text, _ in TUNE_CLUSTER_FLAGS:
+        values.add_argument(flag, dest=dest, type=kind if kind is fraction else positive(kind), help=text)
     p.add_argument("--config", metavar="BASE",
                    help="base config (shardwise, SMP or DeepSpeed file) the candidates' layout keys are set over; a "
                         "DeepSpeed config's enabled autotuning block sets the flags not given (docs/tune.md)")
@@ -134,10 +156,30 @@ def _clear(results: Path, runs: Path, overwrite: bool) -> bool:
     return True
 
 
+def _cluster_values(args: argparse.Namespace) -> dict:
+    """The cluster values the flags set (absolute, as a cluster file keeps them)."""
+    return {dest: getattr(args, dest) * unit for _, dest, unit, *_ in TUNE_CLUSTER_FLAGS
+            if getattr(args, dest) is not None}
+
+
+def _launch_shape(args: argparse.Namespace) -> tuple[int, NodePlace | None]:
+    """Ranks per node and, across nodes, this node's place, from the flags or a hostfile (as `shardwise run` reads
+    them); the launcher's LaunchError names what does not agree."""
+    across = args.hostfile or any(v is not None for v in (args.nnodes, args.node_rank, args.master_addr))
+    if not across:
+        return args.nproc_per_node or 1, None
+    from ..launcher.spec import resolve  # the launcher (and torch) only when tuning across nodes
+
+    spec = resolve(args.script, args.script_args, nproc_per_node=args.nproc_per_node or (None if args.hostfile
+                                                                                          else 1),
+                   nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                   master_port=args.master_port, hostfile=args.hostfile)
+    if spec.nnodes == 1:
+        return spec.nproc_per_node, None
+    return spec.nproc_per_node, NodePlace(spec.nnodes, spec.node_rank, spec.master_addr, spec.master_port)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.nnodes != 1:
-        print("shardwise tune: --nnodes must be 1: tuning across nodes is not built; tune on one node", file=sys.stderr)
-        return 2
     s = _settings(args)
     if not 0 <= s["warmup"] < s["steps"]:
         print(f"shardwise tune: warm-up {s['warmup']} must be 0 or more and below the {s['steps']} steps, so that "
@@ -147,39 +189,72 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise tune: --bound-margin {args.bound_margin:g} must be at least 0 and below 1; 0.1 allows "
               "10 % better than the most favourable ratio seen", file=sys.stderr)
         return 2
+    try:
+        nproc, place = _launch_shape(args)
+    except ValueError as err:  # the launcher's LaunchError: flags or a hostfile that do not agree
+        print(f"shardwise tune: {err}", file=sys.stderr)
+        return 2
     results = Path(s["results"])
     runs = Path(s["runs_dir"]) if s["runs_dir"] else results
+    settings = TuneSettings(script=args.script, script_args=tuple(args.script_args), nproc=nproc, steps=s["steps"],
+                            warmup=s["warmup"], metric=s["metric"], time_budget_s=args.time_budget,
+                            trial_deadline_s=args.trial_timeout, early_stopping=s["early_stopping"], results=results,
+                            runs=runs, bound_margin=None if args.no_bound_stop else args.bound_margin, place=place)
+    if place is None:
+        return _lead(args, s, settings, None)
+    started = time.time()
+    try:
+        channel = NodeChannel(place)
+    except ConnectionError as err:
+        print(f"shardwise tune: {err}", file=sys.stderr)
+        return 2
+    if not place.leads:
+        print(f"shardwise tune: node {place.node_rank} of {place.nnodes}: launching the trials node 0 "
+              f"({place.master_addr}) announces", flush=True)
+        return follow(channel, settings, started)
+    code = 1
+    try:
+        code = _lead(args, s, settings, channel)
+        return code
+    finally:  # every node hears how it ended, even when node 0 was refused its input or stopped by an error
+        if not channel.trained:
+            channel.announce({"kind": "end", "code": code, "reason": f"exit code {code}"})
+            channel.wait_goodbyes()
+
+
+def _lead(args: argparse.Namespace, s: dict, settings: TuneSettings, channel: NodeChannel | None) -> int:
+    """Plan, run the trials (on this node, or across nodes through `channel`), write and report the results."""
     base = _base_config(args.config)
+    nnodes = settings.place.nnodes if settings.place else 1
     try:
         spec = resolve_model(args.model, input_shape=args.input_shape, seq=args.seq)
-        cluster = resolve_cluster(args.cluster, nodes=1, devices_per_node=args.nproc_per_node)
+        cluster = resolve_cluster(args.cluster, nodes=nnodes, devices_per_node=settings.nproc,
+                                  **_cluster_values(args))
         chosen = candidates(spec, cluster, base, limit=s["trials"], global_batch=args.global_batch, seq=args.seq,
                             precision=_precision(base), checkpointing=args.checkpointing,
                             shuffled=s["order"] == "random")
     except PlanError as err:
         print(f"shardwise tune: {err}", file=sys.stderr)
         return 2
-    if not _clear(results, runs, s["overwrite"]):
+    if not _clear(settings.results, settings.runs, s["overwrite"]):
         return 2
-    settings = TuneSettings(script=args.script, script_args=tuple(args.script_args), nproc=args.nproc_per_node,
-                            steps=s["steps"], warmup=s["warmup"], metric=s["metric"], time_budget_s=args.time_budget,
-                            trial_deadline_s=args.trial_timeout, early_stopping=s["early_stopping"], results=results,
-                            runs=runs, bound_margin=None if args.no_bound_stop else args.bound_margin,
-                            planning=_planning(args, cluster))
-    print(f"shardwise tune: {len(chosen)} candidates of {spec.name} on {cluster.name}; results in {results}",
-          flush=True)
+    settings = replace(settings, planning=_planning(args, cluster, settings.nproc))
+    print(f"shardwise tune: {len(chosen)} candidates of {spec.name} on {cluster.name}; results in "
+          f"{settings.results}", flush=True)
 
     def report(row: dict) -> None:
         outcome = row["failure"] or f"{row['measured_step_time_s']:.4f} s/step"
         print(f"shardwise tune: trial {row['trial']} (plan #{row['plan_rank']}): {outcome}", flush=True)
 
-    result = tune(chosen, settings, on_trial=report)
+    runner = None if channel is None else across_nodes(channel, settings)
+    result = tune(chosen, settings, on_trial=report, runner=runner,
+                  halted=None if channel is None else channel.halted)
     best_path = write_results(result, settings)
     print_results(result, settings, best_path)
     calibrated = None
     if args.calibrate:
         try:
-            fitted, path, held = calibrate_results(results, settings.planning)
+            fitted, path, held = calibrate_results(settings.results, settings.planning)
             print_calibration(fitted, path, held)
             calibrated = fitted, path
         except ValueError as err:  # nothing measured that the planner predicts
@@ -194,16 +269,22 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.run_after:
         print(f"shardwise tune: running the best config: {best_command(settings, best_path)}", flush=True)
-        return launch_best(settings.script, settings.script_args, settings.nproc, best_path)
+        nodes = []
+        if channel is not None:
+            port = free_port()
+            channel.train(result.best["config"], port)
+            nodes = settings.place.launch_flags(port)
+        return launch_best(settings.script, settings.script_args, settings.nproc, best_path, nodes)
     return 0
 
 
-def _planning(args: argparse.Namespace, cluster) -> dict:
+def _planning(args: argparse.Namespace, cluster, nproc: int) -> dict:
     """What the candidates were planned with, kept in summary.json so the trials can be predicted again
     (`shardwise calibrate`)."""
     return {"model": args.model, "input_shape": list(args.input_shape) if args.input_shape else None,
             "seq": args.seq, "global_batch": args.global_batch or cluster.world_size,
-            "checkpointing": args.checkpointing, "nproc": args.nproc_per_node,
+            "checkpointing": args.checkpointing, "nproc": nproc, "nnodes": cluster.nodes,
+            "cluster_values": _cluster_values(args),
             "cluster": str(Path(args.cluster).resolve()) if is_cluster_file(args.cluster) else args.cluster}
 
 

@@ -5,9 +5,9 @@ predictions for the same configs come near the measured step times; written as a
 The constants fitted are those the time model takes from the cluster (planner/timing.py, efficiency.py,
 collectives.py): the FLOP/s a device sustains (its peak × the achievable share: what the matmuls achieve),
 the memory bandwidth of the optimizer step and the streaming kernels, and the per-device bandwidth and the
-per-step latency of the collectives inside a node (gloo or NCCL as measured, link efficiency included). Each
-is a scale on the preset's value, fitted in log space by least squares on log(predicted / measured) over
-the measured trials, the planner itself run for each trial's config at every point tried (its overlaps and
+per-step latency of the collectives inside a node (gloo or NCCL as measured, link efficiency included), and on
+several nodes a node's bandwidth and the per-step latency between nodes. Each is a scale on the preset's
+value, fitted in log space by least squares on log(predicted / measured) over the measured trials, the planner itself run for each trial's config at every point tried (its overlaps and
 maxima make the step time no sum of the constants' shares). A small pull toward the preset keeps a constant
 no trial's time depends on where it was. The planner has no per-step host overhead (Python, launches) to fit:
 what such an overhead costs ends up in the constants above.
@@ -34,6 +34,16 @@ CONSTANTS: dict[str, Callable[[ClusterSpec], Any]] = {
     "intra_node_bandwidth": lambda c: c.intra_node_bandwidth,    # a collective's, per device
     "intra_node_latency": lambda c: c.intra_node_latency,        # per collective step
 }
+# Fitted only on a cluster of several nodes (on one, no trial's time depends on them).
+BETWEEN_NODES: dict[str, Callable[[ClusterSpec], Any]] = {
+    "inter_node_bandwidth": lambda c: c.inter_node_bandwidth,    # a node's
+    "inter_node_latency": lambda c: c.inter_node_latency,
+}
+
+
+def constants(cluster: ClusterSpec) -> dict[str, Callable[[ClusterSpec], Any]]:
+    """The constants fitted for `cluster`."""
+    return {**CONSTANTS, **(BETWEEN_NODES if cluster.nodes > 1 else {})}
 _SPAN = 9.0          # each log-scale is searched in [-_SPAN, _SPAN] (×1/8000 to ×8000)
 _GRID = 13           # coarse points per constant before the golden-section refinement
 _ROUNDS = 3          # passes over the constants
@@ -93,13 +103,13 @@ class _Model:
                  seq: Optional[int], checkpointing: str):
         self.spec, self.cluster, self.trials = spec, cluster, list(trials)
         self.global_batch, self.seq, self.checkpointing = global_batch, seq, checkpointing
-        self.base = {name: read(cluster) for name, read in CONSTANTS.items()}
+        self.base = {name: read(cluster) for name, read in constants(cluster).items()}
 
     def values(self, theta: Sequence[float]) -> dict[str, Any]:
         def scaled(value, t):
             return {k: v * math.exp(t) for k, v in value.items()} if isinstance(value, dict) else value * math.exp(t)
 
-        return {name: scaled(self.base[name], t) for name, t in zip(CONSTANTS, theta)}
+        return {name: scaled(self.base[name], t) for name, t in zip(self.base, theta)}
 
     def predict(self, theta: Sequence[float]) -> list[float]:
         cluster = with_values(self.cluster, self.values(theta))
@@ -131,7 +141,7 @@ def _golden(f: Callable[[float], float], lo: float, hi: float, steps: int = 16) 
 def _fit(model: _Model) -> list[float]:
     """Coordinate descent over the log-scales: each constant on a coarse grid, then golden section around the
     grid's best, the others held; a few passes."""
-    theta = [0.0] * len(CONSTANTS)
+    theta = [0.0] * len(model.base)
     step = 2 * _SPAN / (_GRID - 1)
     for _ in range(_ROUNDS):
         for i in range(len(theta)):
@@ -160,7 +170,7 @@ def calibrate(spec: ModelSpec, cluster: ClusterSpec, trials: Sequence[Trial], *,
         raise ValueError("no measured trial to calibrate from; run `shardwise tune` until some trial is measured")
     model = _Model(spec, cluster, usable, global_batch, seq, checkpointing)
     theta = _fit(model)
-    return Calibration(values=model.values(theta), scales={k: math.exp(t) for k, t in zip(CONSTANTS, theta)},
+    return Calibration(values=model.values(theta), scales={k: math.exp(t) for k, t in zip(model.base, theta)},
                        trials=[t.trial for t in usable], before=model.predict([0.0] * len(theta)),
                        after=model.predict(theta), measured=[t.measured_step_time_s for t in usable])
 
@@ -197,7 +207,9 @@ def calibrate_results(results: Path, planning: Mapping[str, Any], out: Optional[
     spec = resolve_model(planning["model"], input_shape=tuple(planning.get("input_shape") or ()) or None,
                          seq=planning.get("seq"))
     cluster_text = planning.get("cluster") or "local"
-    cluster = resolve_cluster(cluster_text, nodes=1, devices_per_node=planning["nproc"])
+    given = dict(planning.get("cluster_values") or {})  # what the tuning run's flags set over the preset
+    cluster = resolve_cluster(cluster_text, nodes=planning.get("nnodes") or 1, devices_per_node=planning["nproc"],
+                              **given)
     trials = measured_trials(read_trials(results))
     inputs = dict(global_batch=planning.get("global_batch") or cluster.world_size, seq=planning.get("seq"),
                   checkpointing=planning.get("checkpointing") or "none")
@@ -211,5 +223,6 @@ def calibrate_results(results: Path, planning: Mapping[str, Any], out: Optional[
               "predicted_after": fitted.after, "fitted_from": str(results.resolve()), "planning": dict(planning)}
     if held:
         report["held_out"] = [dict(zip(("trial", "before", "after", "measured"), h)) for h in held]
-    path = write_cluster_file(out or results / CALIBRATED_CLUSTER_FILE, preset, cluster, fitted.values, report)
+    path = write_cluster_file(out or results / CALIBRATED_CLUSTER_FILE, preset, cluster, {**given, **fitted.values},
+                              report)
     return fitted, path, held

@@ -31,6 +31,23 @@ def _median(values: list) -> Optional[float]:
     return median(present) if present else None
 
 
+def _peaks(data) -> dict[int, int]:
+    memory = {}
+    for rank, peaks in data.memory_by_rank().items():
+        peak = peaks.get("device_peak_bytes") or peaks.get("host_rss_bytes")
+        if peak is not None:
+            memory[rank] = int(peak)
+    return memory
+
+
+def peak_memory(run_dir: Path) -> dict[int, int]:
+    """Each rank's peak memory recorded in the run directory (none when it has no metrics)."""
+    try:
+        return _peaks(read_run(run_dir))
+    except ReportError:
+        return {}
+
+
 def measure_run(run_dir: Path, warmup: int) -> Optional[Measurement]:
     """The trial's measurement, None when the run recorded no step past `warmup`."""
     try:
@@ -40,13 +57,8 @@ def measure_run(run_dir: Path, warmup: int) -> Optional[Measurement]:
     measured = [row for row in data.steps if row["step"] > warmup and row.get("step_time_s") is not None]
     if not measured:
         return None
-    memory = {}
-    for rank, peaks in data.memory_by_rank().items():
-        peak = peaks.get("device_peak_bytes") or peaks.get("host_rss_bytes")
-        if peak is not None:
-            memory[rank] = int(peak)
     return Measurement(steps=len(data.steps), measured_steps=len(measured),
                        step_time_s=median(row["step_time_s"] for row in measured),
                        samples_per_s=_median([row.get("samples_per_s") for row in measured]),
                        tokens_per_s=_median([row.get("tokens_per_s") for row in measured]),
-                       peak_memory_bytes=memory)
+                       peak_memory_bytes=_peaks(data))

@@ -25,8 +25,22 @@ RESULT_FILES = (BEST_CONFIG_FILE, BEST_CMD_FILE, SUMMARY_FILE, REPORT_FILE)
 
 
 def best_command(settings: TuneSettings, config_path: Path) -> str:
-    return shlex.join(["shardwise", "run", "--nproc-per-node", str(settings.nproc), "--config",
-                       str(config_path.resolve()), settings.script, *settings.script_args])
+    """The `shardwise run` of the best config; across nodes, the one every node runs with its own $NODE_RANK."""
+    place = settings.place
+    nodes = "" if place is None else (f" --nnodes {place.nnodes} --node-rank $NODE_RANK --master-addr "
+                                      f"{shlex.quote(place.master_addr)} --master-port {place.master_port}")
+    return (f"shardwise run --nproc-per-node {settings.nproc}{nodes} "
+            + shlex.join(["--config", str(config_path.resolve()), settings.script, *settings.script_args]))
+
+
+def write_best_config(results: Path, config: dict[str, Any]) -> Path:
+    """<results>/best_config.json holding `config` (left as it is when it already does: a shared file system)."""
+    path = results / BEST_CONFIG_FILE
+    text = json.dumps(config, indent=2) + "\n"
+    if not (path.is_file() and path.read_text(encoding="utf-8") == text):
+        results.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return path
 
 
 def write_results(result: TuneResult, settings: TuneSettings) -> Optional[Path]:
@@ -37,8 +51,7 @@ def write_results(result: TuneResult, settings: TuneSettings) -> Optional[Path]:
     (settings.results / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     if result.best is None:
         return None
-    path = settings.results / BEST_CONFIG_FILE
-    path.write_text(json.dumps(result.best["config"], indent=2) + "\n", encoding="utf-8")
+    path = write_best_config(settings.results, result.best["config"])
     (settings.results / BEST_CMD_FILE).write_text(best_command(settings, path) + "\n", encoding="utf-8")
     return path
 

@@ -52,20 +52,40 @@ class TrialResult:
         return self.failure is None
 
 
+@dataclass(frozen=True)
+class NodePlace:
+    """Where this node is in a tuning run across `nnodes` nodes (and where node 0 listens)."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def leads(self) -> bool:
+        return self.node_rank == 0
+
+    def launch_flags(self, port: int) -> list[str]:
+        """`shardwise run`'s flags for this node's share of a launch meeting at `port`."""
+        return ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank), "--master-addr", self.master_addr,
+                "--master-port", str(port)]
+
+
 def launch_command(script: str, script_args: Sequence[str], config_path: Path, run_dir: Path,
-                   nproc: int) -> list[str]:
-    """The `shardwise run` a trial is (with the Python running this one, so the same shardwise). One node:
-    the launcher's rendezvous takes a free port itself."""
-    return [sys.executable, "-c", _CLI, "run", "--nproc-per-node", str(nproc), "--config",
+                   nproc: int, nodes: Sequence[str] = ()) -> list[str]:
+    """The `shardwise run` a trial is (with the Python running this one, so the same shardwise). One node: the
+    launcher's rendezvous takes a free port itself; several: `nodes` are this node's flags (nodes.py)."""
+    return [sys.executable, "-c", _CLI, "run", "--nproc-per-node", str(nproc), *nodes, "--config",
             str(config_path), "--run-dir", str(run_dir), "--console-ranks", "none", script, *script_args]
 
 
-def launch_best(script: str, script_args: Sequence[str], nproc: int, config_path: Path) -> int:
+def launch_best(script: str, script_args: Sequence[str], nproc: int, config_path: Path,
+                nodes: Sequence[str] = ()) -> int:
     """The real training: `shardwise run` of the script under the best config (no step limit), its output on
-    this console; its exit code."""
+    this console; its exit code. `nodes`: this node's share of a launch across nodes."""
     env = {k: v for k, v in os.environ.items() if k != STOP_AFTER_STEPS_ENV}
-    command = [sys.executable, "-c", _CLI, "run", "--nproc-per-node", str(nproc), "--config", str(config_path),
-               script, *script_args]
+    command = [sys.executable, "-c", _CLI, "run", "--nproc-per-node", str(nproc), *nodes, "--config",
+               str(config_path), script, *script_args]
     return subprocess.run(command, env=env, stdin=subprocess.DEVNULL).returncode
 
 
@@ -113,12 +133,13 @@ def _wait(proc: subprocess.Popen, deadline_s: float) -> tuple[Optional[int], str
 
 
 def run_trial(config: dict[str, Any], script: str, script_args: Sequence[str], *, nproc: int, steps: int,
-              warmup: int, deadline_s: float, run_dir: Path) -> TrialResult:
+              warmup: int, deadline_s: float, run_dir: Path, nnodes: int = 1, nodes: Sequence[str] = ()) -> TrialResult:
     """Launch `script` under `config` on `nproc` local ranks for `steps` optimizer steps; measure it or say why
-    not. The trial records every step into its run directory's metrics (metrics_interval 1)."""
+    not. The trial records every step into its run directory's metrics (metrics_interval 1). Across `nnodes`
+    nodes, `nodes` are this node's launch flags (nodes.py) and this launch is its share."""
     start = time.monotonic()
     try:
-        validate(config, Cluster(nodes=1, devices_per_node=nproc))
+        validate(config, Cluster(nodes=nnodes, devices_per_node=nproc))
     except ConfigError as err:
         return TrialResult(run_dir, None, 0.0, failure="refused", message=str(err).splitlines()[0])
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +147,7 @@ def run_trial(config: dict[str, Any], script: str, script_args: Sequence[str], *
     measured = {**config, "metrics_interval": 1, "metrics_dir": str(run_dir.resolve() / "metrics")}
     config_path.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
     env = {**os.environ, STOP_AFTER_STEPS_ENV: str(steps)}
-    command = launch_command(script, script_args, config_path, run_dir, nproc)
+    command = launch_command(script, script_args, config_path, run_dir, nproc, nodes)
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     code, err, hung = _wait(proc, deadline_s)

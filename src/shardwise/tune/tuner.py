@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from .accuracy import Accuracy, planner_accuracy, relative_error
 from .bound import DEFAULT_MARGIN, cannot_win
 from .candidates import Candidate
-from .trial import TrialResult, run_trial
+from .trial import NodePlace, TrialResult, run_trial
 
 TRIALS_FILE = "trials.jsonl"
 # metric → (the trial row's value it compares, whether more is better)
@@ -35,6 +35,7 @@ class TuneSettings:
     results: Path = Path("tune_results")
     runs: Optional[Path] = None            # where each trial's run directory goes (default: results)
     planning: Mapping[str, Any] = field(default_factory=dict)  # what the candidates were planned with (summary.json)
+    place: Optional[NodePlace] = None      # this node's place in a tuning run across nodes (nodes.py)
 
 
 @dataclass
@@ -83,15 +84,33 @@ def _better(metric: str, row: dict[str, Any], best: Optional[dict[str, Any]]) ->
     return value > best[key] if more else value < best[key]
 
 
+# One trial: its config and run directory in, what it did out (run_trial on this node's ranks, or across nodes).
+TrialRunner = Callable[[dict[str, Any], Path], TrialResult]
+
+
+def on_this_node(settings: TuneSettings) -> TrialRunner:
+    """Trials launched on this node's ranks."""
+    return lambda config, run_dir: run_trial(config, settings.script, settings.script_args, nproc=settings.nproc,
+                                             steps=settings.steps, warmup=settings.warmup,
+                                             deadline_s=settings.trial_deadline_s, run_dir=run_dir)
+
+
 def tune(candidates: Sequence[Candidate], settings: TuneSettings,
-         on_trial: Callable[[dict[str, Any]], None] = lambda row: None) -> TuneResult:
-    """Run the candidates in order, each row appended to trials.jsonl as it is made and shown to `on_trial`."""
+         on_trial: Callable[[dict[str, Any]], None] = lambda row: None,
+         runner: Optional[TrialRunner] = None, halted: Optional[Callable[[], Optional[str]]] = None) -> TuneResult:
+    """Run the candidates in order, each row appended to trials.jsonl as it is made and shown to `on_trial`;
+    `runner` launches each (default: on this node's ranks); `halted` says why no further trial can run, if so."""
+    runner = runner or on_this_node(settings)
     if settings.metric not in METRICS:
         raise ValueError(f"metric {settings.metric!r}: use one of {', '.join(METRICS)}")
     result = TuneResult()
     start, since_better = time.monotonic(), 0
     tried: list[tuple[Candidate, dict[str, Any]]] = []
     for number, candidate in enumerate(candidates, 1):
+        why = halted and halted()
+        if why:
+            result.stopped = why
+            break
         if settings.time_budget_s is not None and time.monotonic() - start >= settings.time_budget_s:
             result.stopped = f"the time budget of {settings.time_budget_s:g} s was spent after {number - 1} trials"
             break
@@ -104,9 +123,7 @@ def tune(candidates: Sequence[Candidate], settings: TuneSettings,
         if bound:
             result.stopped = bound.describe(settings.metric, settings.bound_margin)
             break
-        trial = run_trial(candidate.config, settings.script, settings.script_args, nproc=settings.nproc,
-                          steps=settings.steps, warmup=settings.warmup, deadline_s=settings.trial_deadline_s,
-                          run_dir=(settings.runs or settings.results) / f"trial{number}")
+        trial = runner(candidate.config, (settings.runs or settings.results) / f"trial{number}")
         row = trial_row(number, candidate, trial)
         result.rows.append(row)
         tried.append((candidate, row))

@@ -1,0 +1,130 @@
+"""shardwise tune across nodes: the same command on two "nodes" of this machine (node 0 at 127.0.0.1, one rank
+each); node 0 plans and keeps the results, node 1 launches its share of each trial and reports it. A failure on
+node 1's rank is named from node 1's report (out of memory, a crash), every rank's peak memory is kept, and with
+--run-after both nodes train with the best config."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shardwise.tune.measure import Measurement
+from shardwise.tune.nodes import merge, outcome
+from shardwise.tune.trial import TrialResult
+
+# Under ZeRO-3 rank 1 crashes; under ZeRO-2 rank 1 runs out of memory under a cap on its address space; else it
+# trains --steps steps and each rank writes the config it trained under.
+SCRIPT = '''
+import argparse, json, os, resource
+import torch
+import shardwise as sw
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    sw.init()
+    config = json.load(open(os.environ["SHARDWISE_CONFIG"]))
+    if config.get("zero_stage") == 3 and sw.rank() == 1:
+        raise RuntimeError("injected crash under ZeRO-3")
+    if config.get("zero_stage") == 2 and sw.rank() == 1:
+        size = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+        torch.ones(1 << 30, dtype=torch.uint8)
+    model = sw.DistributedModel(build())
+    optimizer = sw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @sw.step
+    def train_step(model, x):
+        loss = torch.nn.functional.mse_loss(model(x), x)
+        model.backward(loss)
+        return loss
+
+    for _ in range(args.steps):
+        optimizer.zero_grad()
+        train_step(model, torch.randn(4, 16)).reduce_mean()
+        optimizer.step()
+    with open(f"trained{sw.rank()}.json", "w") as f:
+        json.dump({"config": config, "steps": args.steps}, f)
+'''
+CLI = "import sys; from shardwise.cli import main; sys.exit(main())"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_tune_name_failures_from_either_node_and_train_with_the_best(tmp_path):
+    (tmp_path / "tiny_nodes.py").write_text(textwrap.dedent(SCRIPT))
+    port = _free_port()
+
+    def node(rank: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", CLI, "tune", "--model", "tiny_nodes:build", "--input-shape", "16", "--nnodes", "2",
+             "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "--trials", "4",
+             "--steps", "2", "--no-bound-stop", "--trial-timeout", "240", "--run-after", "tiny_nodes.py",
+             "--steps", "3"],
+            cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+
+    follower, leader = node(1), node(0)
+    out0, _ = leader.communicate(timeout=900)
+    out1, _ = follower.communicate(timeout=120)
+    assert leader.returncode == 0 and follower.returncode == 0, out0 + "\n" + out1
+    rows = {r["config"].get("zero_stage"): r for r in map(json.loads, (tmp_path / "tune_results" / "trials.jsonl")
+                                                          .read_text().splitlines())}
+    assert rows[2]["failure"] == "out_of_memory" and "can't allocate memory" in rows[2]["message"]
+    assert rows[3]["failure"] == "crash" and "injected crash under ZeRO-3" in rows[3]["message"]
+    ddp = rows[None] if None in rows else next(r for r in rows.values() if not r["config"])
+    assert ddp["failure"] is None and set(ddp["peak_memory_bytes"]) == {"0", "1"}
+    assert "trial1: " in out1 and "trial4: crash" in out1
+    best = json.loads((tmp_path / "tune_results" / "best_config.json").read_text())
+    for rank in (0, 1):
+        trained = json.loads((tmp_path / f"trained{rank}.json").read_text())
+        assert trained["steps"] == 3 and all(trained["config"].get(k) == v for k, v in best.items())
+    assert "--nnodes 2 --node-rank $NODE_RANK --master-addr 127.0.0.1" in \
+        (tmp_path / "tune_results" / "best_cmd.txt").read_text()
+
+
+def _result(failure=None, message=None, peaks=None, step=0.5):
+    measurement = None if failure else Measurement(3, 2, step, 8.0, None, peaks or {})
+    return TrialResult(run_dir=__import__("pathlib").Path("trial1"), exit_code=0 if failure is None else 1,
+                       seconds=1.0, measurement=measurement, failure=failure, message=message)
+
+
+def test_a_trial_is_named_by_its_most_telling_failure_on_any_node():
+    ok = _result(peaks={0: 10, 1: 11})
+    peer_lost = _result("crash", "RuntimeError: Connection closed by peer")
+    oom = {"failure": "out_of_memory", "message": "MemoryError", "peak_memory_bytes": {}, "exit_code": 1,
+           "seconds": 1.0}
+    merged = merge(peer_lost, {1: oom})
+    assert (merged.failure, merged.message) == ("out_of_memory", "node 1: MemoryError")
+    whole = merge(ok, {1: {"failure": "unmeasured", "message": "no step", "exit_code": 0, "seconds": 1.0,
+                           "peak_memory_bytes": {"2": 12, "3": 13}}})
+    assert whole.ok and whole.measurement.peak_memory_bytes == {0: 10, 1: 11, 2: 12, 3: 13}
+    assert whole.measurement.step_time_s == 0.5
+    silent = merge(ok, {1: None})
+    assert silent.failure == "crash" and silent.message.startswith("node 1 sent no report")
+    assert merge(_result("hang", "no end"), {1: {**oom, "failure": "crash", "message": "x"}}).failure == "crash"
+
+
+def test_a_node_reports_its_ranks_peaks_from_its_run_directory(tmp_path):
+    metrics = tmp_path / "trial1" / "metrics"
+    metrics.mkdir(parents=True)
+    (metrics / "rank3.jsonl").write_text(json.dumps({"step": 1, "memory": {"host_rss_bytes": 1234}}) + "\n")
+    result = TrialResult(tmp_path / "trial1", 0, 1.0, failure="unmeasured", message="no step")
+    assert outcome(result)["peak_memory_bytes"] == {"3": 1234}
