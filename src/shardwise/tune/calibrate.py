@@ -7,9 +7,10 @@ collectives.py): the FLOP/s a device sustains (its peak × the achievable share:
 the memory bandwidth of the optimizer step and the streaming kernels, and the per-device bandwidth and the
 per-step latency of the collectives inside a node (gloo or NCCL as measured, link efficiency included), and on
 several nodes a node's bandwidth and the per-step latency between nodes. Each is a scale on the preset's
-value, fitted in log space by least squares on log(predicted / measured) over the measured trials, the planner itself run for each trial's config at every point tried (its overlaps and
-maxima make the step time no sum of the constants' shares). A small pull toward the preset keeps a constant
-no trial's time depends on where it was. The planner has no per-step host overhead (Python, launches) to fit:
+value, fitted in log space by least squares on log(predicted / measured) over the measured trials, the
+planner itself run for each trial's config at every point tried (its overlaps and maxima make the step time no
+sum of the constants' shares). A small pull toward the preset keeps a constant no trial's time depends on where
+it was. The planner has no per-step host overhead (Python, launches) to fit:
 what such an overhead costs ends up in the constants above.
 """
 
