@@ -99,10 +99,42 @@ def test_strategies_group_with_a_policy_and_a_graph_capture_keeps_it():
     assert block._shardwise_checkpointed == lifted["b"]
 
 
+class MatmulBlock(nn.Module):
+    """Three bias-free products in a row (each one aten.mm, as a Llama block's projections)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        for linear in self.linears:
+            x = torch.tanh(linear(x))
+        return x
+
+
+def test_alternate_matmul_keeps_every_other_product_of_each_region_call():
+    """torchtitan's op policy: of a region's three aten.mm, the 1st and 3rd are kept and the 2nd runs again in
+    backward, in each of the three regions and on each of two steps (the count starts afresh every call)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(MatmulBlock() for _ in range(3)))
+    model = nn.Sequential(*(MatmulBlock() for _ in range(3)))
+    model.load_state_dict(plain.state_dict())
+    for block in model:
+        sw.set_activation_checkpointing(block, policy="alternate_matmul")
+    for _ in range(2):
+        plain_ops, plain_grads = _backward_ops(plain)
+        ops, grads = _backward_ops(model)
+        recomputed = ops - plain_ops
+        assert recomputed[aten.mm.default] == 3 and recomputed[aten.tanh.default] == 3 * 3
+        for got, want in zip(grads, plain_grads):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("policy, message", [
-    ("matmuls", "checkpointing policy 'matmuls' is not one of ['matmul']"),
+    ("matmuls", "checkpointing policy 'matmuls' is not one of ['alternate_matmul', 'matmul']"),
     ([aten.mm], "name an overload, e.g. aten.mm.default"),
-    (3, "checkpointing policy must be None, a name (matmul), a list of ops or a policy function, got int"),
+    (3, "checkpointing policy must be None, a name (alternate_matmul, matmul), a list of ops or a policy function, "
+        "got int"),
 ])
 def test_a_bad_policy_is_one_line_naming_the_fix(policy, message):
     with pytest.raises((ValueError, TypeError)) as caught:
@@ -110,15 +142,15 @@ def test_a_bad_policy_is_one_line_naming_the_fix(policy, message):
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
-def train_selective(config: dict, kind: str = "gpt2") -> dict:
-    """One rank of the seed's loop, every block it holds checkpointed with the matmul policy."""
+def train_selective(config: dict, kind: str = "gpt2", policy: str = "matmul") -> dict:
+    """One rank of the seed's loop, every block it holds checkpointed with `policy`."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IneffectiveSettingsWarning)  # offloading on a CPU device moves nothing
         sw.init(config)
     model = sw.DistributedModel(build(kind, freeze_key_bias=True))
     for block in blocks(model.get_module()):
         if not isinstance(block, Elsewhere):
-            sw.set_activation_checkpointing(block, policy="matmul")
+            sw.set_activation_checkpointing(block, policy=policy)
     return train_seed_loop(model, kind, STEPS, ROWS)
 
 @pytest.mark.parametrize("config", [
@@ -130,6 +162,15 @@ def train_selective(config: dict, kind: str = "gpt2") -> dict:
 def test_selective_checkpointing_trains_as_one_plain_process(config):
     ranks = run_distributed(train_selective, 2, config, timeout=240)
     assert_trains_as(ranks, train_reference("gpt2", "sgd", STEPS, ROWS * ranks[0]["dp_size"]), TOLERANCE)
+
+
+@pytest.mark.parametrize("config", [{"tensor_parallel_degree": 2}, {"sharded_data_parallel_degree": 2}],
+                         ids=["tp", "zero3"])
+def test_torchtitans_op_policy_trains_a_llama_as_one_plain_process(config):
+    """"alternate_matmul" on a Llama (rotary slices, grouped KV heads), its region's products split by tensor
+    parallelism or gathered by ZeRO-3."""
+    ranks = run_distributed(train_selective, 2, config, "llama", "alternate_matmul", timeout=240)
+    assert_trains_as(ranks, train_reference("llama", "sgd", STEPS, ROWS * ranks[0]["dp_size"]), TOLERANCE)
 
 
 def test_the_planner_and_the_runtime_know_the_same_policy_names():

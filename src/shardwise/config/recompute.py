@@ -26,7 +26,7 @@ def checkpointing_group_size(strategy: str) -> Optional[int]:
     return int(found.group(1))
 
 
-POLICIES = ("matmul",)  # parallel/recompute/selective.py's named policies
+POLICIES = ("matmul", "alternate_matmul")  # parallel/recompute/selective.py's named policies
 
 
 def split_policy(name: str) -> tuple[str, Optional[str]]:

@@ -31,30 +31,19 @@ _FP32 = 4
 # groups of 2 and 4 bracket it, and "contiguous" (k = L) covers shallow stages. "each:matmul" keeps every
 # block's matrix products too (op-selective): more memory than "each", no matmul recomputed.
 CHECKPOINTING = ("none", "each", "each:matmul", "contiguous", "group_2", "group_4")
-# Op-selective policies the planner reads beyond the runtime's named ones (config/recompute.POLICIES): policy
-# functions the runtime takes as callables (parallel/recompute/selective.py), which the search never proposes.
-# "alternate_matmul" is torchtitan's "op" selective checkpointing (torchtitan/parallelisms/parallelize_llama.py,
-# `no_recompute_list` at 1ea476e, `_save_list` and `_custom_policy` at 9dec370): it keeps the attention kernel's
-# outputs and, counting a block's aten.mm calls in forward order, every other one (the 1st, 3rd, ...: "Saves
-# output of all compute ops, except every second mm"), recomputing the rest in backward.
-PLANNER_POLICIES = ("alternate_matmul",)
-_KEEPING_MATMULS = ("matmul", *PLANNER_POLICIES)
-
-
-def split_checkpointing(strategy: str) -> tuple[str, str | None]:
-    """A checkpointing name as (SMP strategy or "none", op-selective policy or None), the planner's own
-    policies (PLANNER_POLICIES) included."""
-    name, _, policy = strategy.partition(":")
-    if policy in PLANNER_POLICIES:
-        return split_policy(name)[0], policy
-    return split_policy(strategy)
+# "alternate_matmul" (config/recompute.POLICIES; parallel/recompute/selective.AlternateMatmul) is torchtitan's "op"
+# selective checkpointing (torchtitan/parallelisms/parallelize_llama.py, `no_recompute_list` at 1ea476e,
+# `_save_list` and `_custom_policy` at 9dec370): it keeps the attention kernel's outputs and, counting a block's
+# aten.mm calls in forward order, every other one (the 1st, 3rd, ...: "Saves output of all compute ops, except
+# every second mm"), recomputing the rest in backward. The search does not propose it.
+_KEEPING_MATMULS = ("matmul", "alternate_matmul")
 
 
 def region_blocks(strategy: str, stage_layers: int) -> int:
     """Blocks one checkpointed region spans on a stage of `stage_layers` blocks: 0 for "none", 1 for "each",
     the stage's whole run for "contiguous", k (at most the run) for "group_k"."""
     try:
-        name = split_checkpointing(strategy)[0]
+        name = split_policy(strategy)[0]
         if name == "none":
             return 0
         size = checkpointing_group_size(name)
@@ -68,11 +57,11 @@ def region_blocks(strategy: str, stage_layers: int) -> int:
 def keeps_matmuls(strategy: str) -> bool:
     """Whether a strategy's regions keep matrix products' outputs (the "matmul" policy: all of them;
     "alternate_matmul": every other one)."""
-    return split_checkpointing(strategy)[1] in _KEEPING_MATMULS
+    return split_policy(strategy)[1] in _KEEPING_MATMULS
 
 
 def _policy(strategy: str) -> str | None:
-    return split_checkpointing(strategy)[1]
+    return split_policy(strategy)[1]
 
 
 def _projections(spec: ModelSpec) -> list[tuple[int, int, bool]]:

@@ -11,7 +11,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from .activations import PLANNER_POLICIES, split_checkpointing
+from ..config.recompute import split_policy
 from .errors import PlanError
 from .hardware import GiB
 from .search import Evaluation, Plan
@@ -34,12 +34,10 @@ def strategy(e: Evaluation) -> str:
 
 def checkpointing_call(strategy: str) -> str:
     """A plan's checkpointing strategy as the call a training script makes (groups need an nn.Sequential)."""
-    strategy, policy = split_checkpointing(strategy)
+    strategy, policy = split_policy(strategy)
     if strategy == "none":
         return "none"
     selective = f', policy="{policy}"' if policy else ""
-    if policy in PLANNER_POLICIES:  # a policy function of the script's own (activations.PLANNER_POLICIES)
-        selective = f", policy=<{policy} policy function>"
     return f'sw.set_activation_checkpointing(blocks, strategy="{strategy}"{selective})'
 
 

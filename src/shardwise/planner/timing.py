@@ -21,10 +21,10 @@ from dataclasses import dataclass, fields, replace
 from ..config.schema import SPLIT_BACKWARD_SCHEDULES, ShardwiseConfig
 from ..topology import Layout
 from ..config.decisions import Decisions
+from ..config.recompute import split_policy
 from . import assumptions as A
 from . import context, efficiency, experts
-from .activations import keeps_matmuls, recomputed_elementwise_bytes, recomputed_matmul_share, region_blocks, \
-    split_checkpointing
+from .activations import keeps_matmuls, recomputed_elementwise_bytes, recomputed_matmul_share, region_blocks
 from .bubbles import bubble_share, busiest_rank
 from .collectives import GroupShape, LinkTime, collective_time, group_shape, p2p_time
 from .efficiency import BlockSeconds, block_seconds, head_seconds
@@ -298,7 +298,7 @@ def _recompute_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout,
         return 0.0
     if not keeps_matmuls(checkpointing):
         return blocks.forward
-    policy = split_checkpointing(checkpointing)[1]
+    policy = split_policy(checkpointing)[1]
     per_token = recomputed_elementwise_bytes(spec, seq, numerics(config, layout), cluster.device.kernels, layout.tp,
                                              config.sequence_parallel, policy)
     return (2 * per_token * micro_batch * seq / layout.cp * busiest_rank(spec, config, layout.pp).blocks

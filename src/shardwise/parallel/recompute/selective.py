@@ -12,6 +12,8 @@ A policy is one of
 
 - `None`: recompute everything (full checkpointing);
 - `"matmul"`: keep `MATMUL_OPS`' outputs;
+- `"alternate_matmul"`: torchtitan's "op" policy (`AlternateMatmul`): keep the attention kernels' and the
+  collectives' outputs and every other `aten.mm` of the region in forward order (the 1st, 3rd, ...);
 - a list of `OpOverload`s (`torch.ops.aten.mm.default`): keep those;
 - a callable `policy_fn(ctx, op, *args, **kwargs)` returning a
   `torch.utils.checkpoint.CheckpointPolicy` (or a bool: True saves), as torch takes it.
@@ -27,7 +29,7 @@ import functools
 from typing import Any, Callable, ContextManager, Iterator, Union
 
 import torch
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ...torch_internals import (ATTENTION_KERNELS, HigherOrderOperator, OpOverload, OpOverloadPacket,
                                 functional_collective_ops)
@@ -41,7 +43,30 @@ MATMUL_OPS = [
     _c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default, _c10d.all_gather_into_tensor.default,
     _c10d.all_to_all_single.default,
 ]
-NAMED = {"matmul": MATMUL_OPS}  # config/recompute.POLICIES, the names the planner reads
+
+
+class AlternateMatmul:
+    """torchtitan's "op" selective checkpointing (torchtitan/parallelisms/parallelize_llama.py, `_save_list` and
+    `_custom_policy` at 9dec370: "Saves output of all compute ops, except every second mm"): keep the attention
+    kernels' and the functional collectives' outputs and, counting the region's `aten.mm` calls in forward order,
+    the 1st, 3rd, ...; recompute the rest (of a Llama block's projections q, v, gate and down are kept). A fresh
+    one counts each region call, in forward and again in its recomputation, so both make the same choices."""
+
+    KEPT = (*ATTENTION_KERNELS, *(op for op in MATMUL_OPS if op.namespace != "aten"))
+
+    def __init__(self) -> None:
+        self.counts = {False: 0, True: 0}   # aten.mm calls so far, in forward (False) and in recomputation
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op == _aten.mm.default:
+            self.counts[ctx.is_recompute] += 1
+            keep = self.counts[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in self.KEPT
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+NAMED = {"matmul": MATMUL_OPS, "alternate_matmul": AlternateMatmul}  # config/recompute.POLICIES, the planner's names
 
 
 def checked_policy(policy: Policy) -> Policy:
@@ -74,7 +99,7 @@ def with_policy(context_fn: ContextFn, policy: Policy) -> ContextFn:
 
 def _both(context_fn: ContextFn, policy: Policy) -> tuple[ContextManager, ContextManager]:
     forward, recompute = context_fn()
-    keep, replay = create_selective_checkpoint_contexts(policy)
+    keep, replay = create_selective_checkpoint_contexts(policy() if policy is AlternateMatmul else policy)
     return _entered(forward, keep), _entered(recompute, replay)
 
 
