@@ -143,6 +143,17 @@ def test_flash_attention_keeps_no_probabilities():
     assert block_activations(spec, 1024, Numerics(2), Kernels()).per_rank(1) == 34 * h + 4 * a + 16
 
 
+def test_a_fused_rmsnorm_keeps_no_normalised_product():
+    """torchtitan's fused_rmsnorm keeps each norm's input and rstd; Hugging Face's RMSNorm also its product."""
+    spec = resolve_model("llama:hidden_size=512,intermediate_size=1376,num_attention_heads=8")
+    hf = block_activations(spec, 1024, Numerics(2), Kernels()).per_rank(1)
+    fused = block_activations(spec, 1024, Numerics(2), Kernels(fused_rmsnorm=True)).per_rank(1)
+    assert hf - fused == 2 * spec.hidden * 2    # two norms a block, bf16 products
+    layernorm = resolve_model("gpt2")
+    assert block_activations(layernorm, 1024, Numerics(2), Kernels(fused_rmsnorm=True)).per_rank(1) == \
+        block_activations(layernorm, 1024, Numerics(2), Kernels()).per_rank(1)
+
+
 def test_cpu_math_attention_keeps_fp32_and_autocast_keeps_an_fp32_residual():
     spec = resolve_model("gpt2:activation_function=gelu")
     h, a, s = spec.hidden, spec.heads, 1024

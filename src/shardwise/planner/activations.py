@@ -181,8 +181,8 @@ def block_activations(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Ke
     mask = kernels.dropout_mask_bytes or low
     h = spec.hidden
     # Two norms: input (the residual stream) and output each (RMSNorm in HF also keeps its
-    # normalised product), plus their per-token statistics (mean and rstd, or rstd only).
-    products, norm_stats = (1, 1) if spec.norm == "rmsnorm" else (0, 2)
+    # normalised product, a fused kernel does not), plus their per-token statistics (mean and rstd, or rstd only).
+    products, norm_stats = (0 if kernels.fused_rmsnorm else 1, 1) if spec.norm == "rmsnorm" else (0, 2)
     outputs = 2 * h * low
     sequence = 2 * (h * numerics.residual_bytes + products * h * low + norm_stats * _FP32)
     if spec.hidden_dropout > 0:

@@ -34,6 +34,9 @@ class Kernels:
     flash_attention: bool = True
     flash_attention_dropout: bool = True
     math_attention_bytes: int = 0           # least bytes per element the math attention path keeps
+    # An RMSNorm kernel that keeps its input and rstd only (torchtitan's Triton `fused_rmsnorm`, apex's
+    # FusedRMSNorm), not the normalised product Hugging Face's RMSNorm also keeps.
+    fused_rmsnorm: bool = False
 
 
 @dataclass(frozen=True)

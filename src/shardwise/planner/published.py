@@ -23,6 +23,7 @@ _CLUSTER_UNITS = {"nodes": 1, "devices_per_node": 1, "device_memory_gib": GiB, "
                   "intra_node_gbs": GB, "inter_node_gbs": GB, "power_limit_watts": 1, "clock_mhz": 1}
 _CLUSTER_KEYS = {"device_memory_gib": "device_memory_bytes", "device_memory_bandwidth_gbs": "memory_bandwidth",
                  "intra_node_gbs": "intra_node_bandwidth", "inter_node_gbs": "inter_node_bandwidth"}
+_KERNEL_KEYS = ("flash_attention", "fused_rmsnorm")  # the run's kernels (hardware.Kernels), as the source states
 
 
 def megatron_flops_per_token(spec: ModelSpec, seq: int) -> float:
@@ -59,18 +60,19 @@ def run_cluster(run: Mapping[str, Any]) -> ClusterSpec:
     """The run's cluster: its preset with the values it overrides, and its device's kernels as the run had them."""
     given = dict(run["cluster"])
     preset = given.pop("preset")
-    unknown = set(given) - set(_CLUSTER_UNITS) - {"flash_attention"}
+    unknown = set(given) - set(_CLUSTER_UNITS) - set(_KERNEL_KEYS)
     if unknown:
-        raise ValueError(f"run {run['name']!r}: unknown cluster keys {sorted(unknown)}; use {sorted(_CLUSTER_UNITS)}")
-    flash = given.pop("flash_attention", None)
+        raise ValueError(f"run {run['name']!r}: unknown cluster keys {sorted(unknown)}; use "
+                         f"{sorted([*_CLUSTER_UNITS, *_KERNEL_KEYS])}")
+    kernels = {k: given.pop(k) for k in _KERNEL_KEYS if k in given}
     overrides = {_CLUSTER_KEYS.get(k, k): v * _CLUSTER_UNITS[k] for k, v in given.items()}
     bandwidth = overrides.pop("memory_bandwidth", None)
     cluster = cluster_preset(preset, **overrides)
     device = cluster.device
     if bandwidth is not None:
         device = replace(device, memory_bandwidth=bandwidth)
-    if flash is not None:
-        device = replace(device, kernels=replace(device.kernels, flash_attention=flash))
+    if kernels:
+        device = replace(device, kernels=replace(device.kernels, **kernels))
     return replace(cluster, device=device)
 
 
