@@ -154,6 +154,15 @@ def test_a_fused_rmsnorm_keeps_no_normalised_product():
         block_activations(layernorm, 1024, Numerics(2), Kernels()).per_rank(1)
 
 
+def test_a_fused_cross_entropy_keeps_the_heads_logits_and_a_log_sum_exp():
+    """flash-attn's cross-entropy (llm-foundry's default loss) keeps the bf16 logits and one fp32 log-sum-exp per
+    token, where an unfused loss reads the logits in fp32 and keeps an fp32 log-softmax."""
+    spec = resolve_model("gpt2")
+    fsdp_bf16 = Numerics(2, logits=4)
+    assert logits_bytes(spec, fsdp_bf16) == spec.head_outputs * (4 + 4)
+    assert logits_bytes(spec, fsdp_bf16, Kernels(fused_cross_entropy=True)) == spec.head_outputs * 2 + 4
+
+
 def test_cpu_math_attention_keeps_fp32_and_autocast_keeps_an_fp32_residual():
     spec = resolve_model("gpt2:activation_function=gelu")
     h, a, s = spec.hidden, spec.heads, 1024

@@ -20,7 +20,6 @@ RUNS = yaml.safe_load((Path(__file__).parent / "planner_published_runs.yaml").re
 NOT_FITTING = {
     "Llama 3 405B, 8192 x H100 80GB, TP 8 x PP 16 x DP 64",
     "Llama 3 405B, 16384 x H100 80GB, TP 8 x PP 16 x DP 128",
-    "llm-foundry MPT-3B, 8 x H100 80GB, seq 8192, micro 3 x 6, no AC",
     "llm-foundry MPT-30B, 8 x A100 80GB, seq 2048, micro 3 x 21, full AC",
 }
 

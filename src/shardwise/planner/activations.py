@@ -249,8 +249,11 @@ def edge_activations(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Ker
     return first, last
 
 
-def logits_bytes(spec: ModelSpec, numerics: Numerics) -> float:
-    """Per token: the logits as the loss reads them plus the loss's fp32 log-softmax."""
+def logits_bytes(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels()) -> float:
+    """Per token: the logits as the loss reads them plus the loss's fp32 log-softmax; a fused cross-entropy keeps
+    the head's own logits and one fp32 log-sum-exp."""
+    if kernels.fused_cross_entropy and spec.head_outputs:
+        return spec.head_outputs * numerics.compute + _FP32
     return spec.head_outputs * (numerics.logits_bytes + _FP32)
 
 
@@ -305,7 +308,7 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     edges = spec.stage_parameters(pp) - layers * spec.layer_parameters
     copies = numerics.weight_copies * (edges + copied_layers * spec.layer_parameters) / tp
     first, last = edge_activations(spec, numerics, kernels)
-    first, last = first * tokens, (last + logits_bytes(spec, numerics) / tp) * tokens
+    first, last = first * tokens, (last + logits_bytes(spec, numerics, kernels) / tp) * tokens
     if pp == 1:
         return ActivationMemory(stored + first + max(last, recompute) + copies, host, max(0.0, last - recompute))
     busiest = max(in_flight * (stored + first) + recompute, stored + max(last, recompute)) + copies

@@ -37,6 +37,9 @@ class Kernels:
     # An RMSNorm kernel that keeps its input and rstd only (torchtitan's Triton `fused_rmsnorm`, apex's
     # FusedRMSNorm), not the normalised product Hugging Face's RMSNorm also keeps.
     fused_rmsnorm: bool = False
+    # A fused cross-entropy kernel (flash-attn's `losses.cross_entropy`, llm-foundry's default `loss_fn`) keeps the
+    # logits as the head produced them and one fp32 log-sum-exp per token, no fp32 log-softmax.
+    fused_cross_entropy: bool = False
 
 
 @dataclass(frozen=True)
