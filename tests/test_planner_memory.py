@@ -268,9 +268,9 @@ def test_the_root_unit_keeps_a_tied_embedding_and_its_gradient_through_backward(
 
 
 def test_the_optimizer_steps_temporaries_count_where_they_outlast_the_activations():
-    """torch's Adam on a CPU steps tensor by tensor (two fp32 copies of the largest: the embedding), its foreach
-    path on an accelerator holds a copy of every tensor at once; FSDP2 steps shards; an offloaded optimizer steps
-    in host memory."""
+    """torch's Adam on a CPU, or with `foreach: false`, steps tensor by tensor (two fp32 copies of the largest: the
+    embedding), its foreach path on an accelerator holds a copy of every tensor at once; FSDP2 steps shards; an
+    offloaded optimizer steps in host memory."""
     spec = _gpt2(6, 1536)
     cpu, gpu = cluster_preset("local", devices_per_node=4).device, cluster_preset("p4d.24xlarge").device
 
@@ -287,3 +287,6 @@ def test_the_optimizer_steps_temporaries_count_where_they_outlast_the_activation
     assert on_gpu.step_temporaries == pytest.approx(4 * spec.parameters - on_gpu.activations)
     offloaded = memory({"sharded_data_parallel_degree": 4, "offload_optimizer_state": True}, gpu)
     assert offloaded.step_temporaries == 0 and memory({}, cpu, "none").step_temporaries < ddp.step_temporaries
+    one_by_one = memory({"optimizer": {"type": "AdamW", "params": {"foreach": False}}}, gpu)  # torch's for-loop
+    assert one_by_one.step_temporaries == pytest.approx(max(0.0, 2 * embedding - one_by_one.activations))
+    assert one_by_one.step_temporaries < on_gpu.step_temporaries

@@ -15,12 +15,10 @@ from shardwise.planner.families import spec_from_hf
 RUNS = yaml.safe_load((Path(__file__).parent / "planner_published_runs.yaml").read_text())
 
 # Trained runs the planner says do not fit, and why (docs/planner.md): Llama 3 405B keeps 16 microbatches of
-# activations without checkpointing on its first stage (141 GiB as shardwise would hold them); the others are
-# within the 10 % fragmentation margin of the device.
+# activations without checkpointing on its first stage (141 GiB as shardwise would hold them).
 NOT_FITTING = {
     "Llama 3 405B, 8192 x H100 80GB, TP 8 x PP 16 x DP 64",
     "Llama 3 405B, 16384 x H100 80GB, TP 8 x PP 16 x DP 128",
-    "llm-foundry MPT-30B, 8 x A100 80GB, seq 2048, micro 3 x 21, full AC",
 }
 
 

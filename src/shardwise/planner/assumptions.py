@@ -47,10 +47,11 @@ HOST_RETAINED_BYTES_FIXED_THRESHOLD = 0.06 * 2 ** 30
 # Adam / AdamW keep two fp32 moments per parameter (exp_avg, exp_avg_sq).
 OPTIMIZER_STATE_BYTES = 8
 
-# Temporaries of torch's Adam/AdamW step, in fp32 copies: on a CPU it steps tensor by tensor and holds two of the
-# tensor it steps (sqrt of exp_avg_sq, then its quotient: measured 2 x 294 MiB for a 50257 x 1536 embedding);
-# on an accelerator its default foreach path holds one copy of every tensor of a device and dtype at once.
-STEP_COPIES_PER_TENSOR_HOST = 2
+# Temporaries of torch's Adam/AdamW step, in fp32 copies: on a CPU (or with `foreach: false`) it steps tensor by
+# tensor and holds two of the tensor it steps (sqrt of exp_avg_sq, then its quotient: measured 2 x 294 MiB for a
+# 50257 x 1536 embedding); on an accelerator its default foreach path holds one copy of every tensor of a device
+# and dtype at once.
+STEP_COPIES_PER_TENSOR = 2
 STEP_COPIES_FOREACH = 1
 
 # Bytes/s one rank's optimizer step reads and writes in host memory when its states are offloaded

@@ -205,13 +205,13 @@ def optimizer_share(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) ->
 
 def optimizer_step_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, host: bool) -> float:
     """Temporaries of the busiest rank's Adam step (assumptions.py), in the dtype it steps (fp32; bf16 under pure
-    bf16): on a CPU (`host`) two copies of the largest tensor it steps (FSDP2 steps shards of it, ZeRO-1 and DDP
-    whole tensors), elsewhere one of all."""
-    if host:
+    bf16): stepping tensor by tensor, on a CPU (`host`) or with the optimizer block's `foreach: false`, two copies
+    of the largest tensor it steps (FSDP2 steps shards of it, ZeRO-1 and DDP whole tensors), else one of all."""
+    if host or (config.optimizer is not None and config.optimizer.params.get("foreach") is False):
         largest = max(spec.stage_tensors(layout.pp)) / layout.tp
         if fully_sharded(config):
             largest /= sharding_ranks(layout)
-        return A.STEP_COPIES_PER_TENSOR_HOST * master_bytes(config) * largest
+        return A.STEP_COPIES_PER_TENSOR * master_bytes(config) * largest
     stepped = spec.stage_parameters(layout.pp) / layout.tp * optimizer_share(spec, config, layout)
     return A.STEP_COPIES_FOREACH * master_bytes(config) * stepped
 
