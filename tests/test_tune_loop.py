@@ -54,6 +54,19 @@ def test_the_best_by_each_metric(monkeypatch, tmp_path, chosen, metric, best):
     assert (tmp_path / "trials.jsonl").read_text().count("\n") == 4
 
 
+def test_a_run_that_cannot_go_on_stops_before_its_next_trial(tmp_path, chosen):
+    """Across nodes a node that stopped answering halts the run (tune/nodes.py): no further launch would meet."""
+    ran = []
+
+    def runner(config, run_dir):
+        ran.append(run_dir.name)
+        return TrialResult(run_dir, 1, 1.0, failure="crash", message="node 1 sent no report")
+
+    result = tune(chosen, TuneSettings(script="x.py", bound_margin=None, results=tmp_path), runner=runner,
+                  halted=lambda: "node 1 stopped answering" if ran else None)
+    assert ran == ["trial1"] and result.stopped == "node 1 stopped answering" and len(result.rows) == 1
+
+
 def test_early_stopping_after_trials_that_do_not_beat_the_best(monkeypatch, tmp_path, chosen):
     calls = _trials(monkeypatch, [(0.2, 12.0, 500), "crash", (0.3, 10.0, 500), (0.1, 20.0, 500)])
     result = tune(chosen, TuneSettings(script="x.py", early_stopping=2, results=tmp_path))

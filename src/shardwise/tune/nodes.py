@@ -24,7 +24,8 @@ from .results import write_best_config
 from .trial import NodePlace, TrialResult, launch_best, run_trial
 from .tuner import TrialRunner, TuneSettings
 
-# A node that has not answered this long after a trial's deadline is gone: stopped, or cut off.
+# A node that has not answered this long after a trial's deadline (its launch stopped by then) is gone: stopped,
+# or cut off.
 REPORT_GRACE_SECONDS = 120.0
 # How long a node waits for node 0's store (node 0 plans first) and, at the end, node 0 for the others to go.
 CONNECT_SECONDS = 600.0
@@ -123,8 +124,8 @@ def merge(local: TrialResult, reports: dict[int, Optional[dict[str, Any]]]) -> T
     peaks = dict(local.measurement.peak_memory_bytes) if local.measurement else {}
     for node, report in reports.items():
         if report is None:
-            failures.append(("crash", f"node {node} sent no report within {REPORT_GRACE_SECONDS:g} s of node 0's "
-                                      "share's end; it stopped, or lost its way to node 0"))
+            failures.append(("crash", f"node {node} sent no report by {REPORT_GRACE_SECONDS:g} s after the trial's "
+                                      "deadline; it stopped, or lost its way to node 0"))
             continue
         peaks.update({int(r): int(b) for r, b in report["peak_memory_bytes"].items()})
         if report["failure"] not in (None, "unmeasured"):  # node 0 times the steps
@@ -160,7 +161,9 @@ next launch would wait for it: the tuning run stops)."""
         local = run_trial(config, settings.script, settings.script_args, nproc=settings.nproc, steps=settings.steps,
                           warmup=settings.warmup, deadline_s=settings.trial_deadline_s, run_dir=run_dir,
                           nnodes=place.nnodes, nodes=place.launch_flags(port))
-        reports = channel.reports(run_dir.name, REPORT_GRACE_SECONDS)
+        # another node's share may run on to the deadline after this one failed (its ranks waiting for these)
+        reports = channel.reports(run_dir.name, max(settings.trial_deadline_s - local.seconds, 0.0)
+                                  + REPORT_GRACE_SECONDS)
         channel.lost = [node for node, report in reports.items() if report is None]
         return merge(local, reports)
 
@@ -176,8 +179,8 @@ def follow(channel: NodeChannel, settings: TuneSettings, since: float) -> int:
     while True:
         message = channel.next_message(patience)
         if message is None:
-            print(f"shardwise tune: node {place.node_rank}: no word from node 0 in {patience:g} s; stopping",
-                  file=sys.stderr)
+            print(f"shardwise tune: node {place.node_rank}: no word from node 0 within {patience:g} s (it stopped, or "
+                  "cannot be reached); stopping", file=sys.stderr)
             return 1
         if message["kind"] == "trial":
             run_dir = runs / message["run_dir"]
