@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from shardwise.tune.measure import Measurement
-from shardwise.tune.nodes import merge, outcome
+from shardwise.tune.nodes import clear_stale, merge, outcome
 from shardwise.tune.trial import TrialResult
 
 # Under ZeRO-3 rank 1 crashes; under ZeRO-2 rank 1 runs out of memory under a cap on its address space; else it
@@ -128,3 +128,23 @@ def test_a_node_reports_its_ranks_peaks_from_its_run_directory(tmp_path):
     (metrics / "rank3.jsonl").write_text(json.dumps({"step": 1, "memory": {"host_rss_bytes": 1234}}) + "\n")
     result = TrialResult(tmp_path / "trial1", 0, 1.0, failure="unmeasured", message="no step")
     assert outcome(result)["peak_memory_bytes"] == {"3": 1234}
+
+
+def test_a_node_clears_only_what_an_earlier_run_left(tmp_path):
+    """A trial directory from before this node's run goes; one written since (node 0's, on a shared file system,
+    its clock up to a minute behind) stays."""
+    import os
+    import time
+
+    since = time.time()
+    old, new = tmp_path / "trial1", tmp_path / "trial2"
+    for directory in (old, new):
+        (directory / "metrics").mkdir(parents=True)
+        (tmp_path / f"{directory.name}.config.json").write_text("{}")
+    for path in (old, tmp_path / "trial1.config.json"):
+        os.utime(path, (since - 3600, since - 3600))
+    os.utime(new, (since - 30, since - 30))
+    clear_stale(old, since)
+    clear_stale(new, since)
+    assert not old.exists() and not (tmp_path / "trial1.config.json").exists()
+    assert new.exists() and (tmp_path / "trial2.config.json").exists()

@@ -141,18 +141,22 @@ def merge(local: TrialResult, reports: dict[int, Optional[dict[str, Any]]]) -> T
     return TrialResult(local.run_dir, local.exit_code, local.seconds, whole)
 
 
+# How far a shared file system's clock may be behind this node's, when telling an earlier run's files from node 0's.
+CLOCK_SKEW_SECONDS = 60.0
+
+
 def clear_stale(run_dir: Path, since: float) -> None:
     """Remove a trial directory (and its config) an earlier tuning run left on this node: written before this
     node's run started. Node 0 clears its own at the start; on a shared file system what is newer is node 0's."""
     for path in (run_dir, run_dir.parent / f"{run_dir.name}.config.json"):
-        if path.exists() and path.stat().st_mtime < since:
+        if path.exists() and path.stat().st_mtime < since - CLOCK_SKEW_SECONDS:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def across_nodes(channel: NodeChannel, settings: TuneSettings) -> TrialRunner:
     """Node 0's trials: each announced to every node, launched on this node's ranks as its share, named from
     every node's report. A node silent past the grace leaves that trial a crash and `channel.lost` naming it (the
-next launch would wait for it: the tuning run stops)."""
+    next launch would wait for it: the tuning run stops)."""
     place = channel.place
 
     def run(config: dict[str, Any], run_dir: Path) -> TrialResult:

@@ -145,7 +145,11 @@ def run_trial(config: dict[str, Any], script: str, script_args: Sequence[str], *
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     config_path = run_dir.parent / f"{run_dir.name}.config.json"
     measured = {**config, "metrics_interval": 1, "metrics_dir": str(run_dir.resolve() / "metrics")}
-    config_path.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
+    # written whole, then moved into place: across nodes on a shared file system every node writes this file while
+    # another node's launch may be reading it
+    partial = config_path.with_name(f"{config_path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
+    os.replace(partial, config_path)
     env = {**os.environ, STOP_AFTER_STEPS_ENV: str(steps)}
     command = launch_command(script, script_args, config_path, run_dir, nproc, nodes)
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
