@@ -224,14 +224,26 @@ def test_run_autotuning_run_tunes_then_trains_with_the_best_config(tmp_path, mon
 @pytest.mark.parametrize("flags, says", [
     (["--autotuning", "tune"], "--autotuning needs --model MODEL"),
     (["--model", "gpt2"], "--model is read only with --autotuning"),
-    (["--autotuning", "run", "--model", "gpt2", "--nproc-per-node", "2", "--nnodes", "2"],
-     "--nnodes is not taken with --autotuning"),
+    (["--autotuning", "run", "--model", "gpt2", "--nproc-per-node", "2", "--include", "localhost:0"],
+     "--include is not taken with --autotuning"),
     (["--autotuning", "tune", "--model", "gpt2", "--set", "microbatches=2"], "--set is not taken with --autotuning"),
     (["--autotuning", "tune", "--model", "gpt2"], "--autotuning needs --nproc-per-node N"),
 ])
 def test_run_autotuning_refuses_what_it_cannot_honour(flags, says, capsys):
     assert main(["run", *flags, "train.py"]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_run_autotuning_passes_the_node_flags_on(monkeypatch):
+    """`shardwise run --autotuning` across nodes is `shardwise tune` with the same node flags, on every node."""
+    from shardwise.cli import tune as tune_cli
+
+    seen = {}
+    monkeypatch.setattr(tune_cli, "run", lambda args: seen.update(vars(args)) or 0)
+    assert main(["run", "--autotuning", "tune", "--model", "gpt2", "--nproc-per-node", "2", "--nnodes", "2",
+                 "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29611", "train.py"]) == 0
+    assert (seen["nnodes"], seen["node_rank"], seen["master_addr"], seen["master_port"], seen["nproc_per_node"]) \
+        == (2, 1, "10.0.0.1", 29611, 2)
 
 
 def test_the_scripts_deepspeed_config_is_found_as_deepspeed_finds_it():

@@ -93,8 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="the config's checkpoint_dir: where a preempted job (SIGTERM) saves, and where the script "
                         "finds the newest complete checkpoint to resume from after a restart")
-    tuning = p.add_argument_group("autotuning", "DeepSpeed's launcher flag: `shardwise tune` on this node's ranks "
-                                                 "first (docs/tune.md)")
+    tuning = p.add_argument_group("autotuning", "DeepSpeed's launcher flag: `shardwise tune` first, on this node's "
+                                                 "ranks or with the node flags across nodes (docs/tune.md)")
     tuning.add_argument("--autotuning", choices=("tune", "run"), default=None,
                         help="tune: run the planner's best layouts for a few steps each and write the results "
                              "(best_config.json ...); run: tune, then train with the best config")

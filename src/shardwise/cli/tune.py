@@ -305,11 +305,13 @@ def print_calibration(fitted, path: Path, held: list) -> None:
           f"(shardwise plan --cluster {path})")
 
 
-# `shardwise run` flags that say where or how to launch one job, which a tuning run on this node's ranks decides.
-_NOT_WITH_AUTOTUNING = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
-                        "hostfile": "--hostfile", "include": "--include", "exclude": "--exclude",
-                        "num_nodes": "--num_nodes", "overrides": "--set", "run_dir": "--run-dir",
-                        "max_restarts": "--max-restarts", "checkpoint_dir": "--checkpoint-dir"}
+# `shardwise run` flags that place a tuning run across nodes, passed on to `shardwise tune` as given.
+_NODE_FLAGS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
+               "master_port": "--master-port", "hostfile": "--hostfile"}
+# `shardwise run` flags that say how to launch one job, which a tuning run decides.
+_NOT_WITH_AUTOTUNING = {"include": "--include", "exclude": "--exclude", "num_nodes": "--num_nodes",
+                        "overrides": "--set", "run_dir": "--run-dir", "max_restarts": "--max-restarts",
+                        "checkpoint_dir": "--checkpoint-dir"}
 _DEEPSPEED_CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
 
 
@@ -325,8 +327,9 @@ def deepspeed_config_arg(script_args: list[str]) -> str | None:
 
 def autotune(args: argparse.Namespace) -> int:
     """`shardwise run --autotuning tune|run --model M` (DeepSpeed's launcher flag): `shardwise tune` on this
-    node's ranks with the run's config (else the script's --deepspeed_config) as the base, whose autotuning
-    block sets the tuner's settings; `run` then trains with the best config."""
+    node's ranks, or across nodes with the run's node flags, with the run's config (else the script's
+    --deepspeed_config) as the base, whose autotuning block sets the tuner's settings; `run` then trains with the
+    best config."""
     if not args.autotuning:
         print("shardwise run: --model is read only with --autotuning; drop it, or add --autotuning tune|run",
               file=sys.stderr)
@@ -337,17 +340,20 @@ def autotune(args: argparse.Namespace) -> int:
         return 2
     given = [flag for dest, flag in _NOT_WITH_AUTOTUNING.items() if getattr(args, dest, None) not in (None, [], 0)]
     if given:
-        print(f"shardwise run: {given[0]} is not taken with --autotuning, which tunes on this node's ranks; drop it, "
-              "or use `shardwise tune` (docs/tune.md)", file=sys.stderr)
+        print(f"shardwise run: {given[0]} is not taken with --autotuning, which launches each trial itself; drop "
+              "it, or use `shardwise tune` (docs/tune.md)", file=sys.stderr)
         return 2
     nproc = args.nproc_per_node or args.num_gpus
-    if nproc is None:
-        print("shardwise run: --autotuning needs --nproc-per-node N (or --num_gpus N): the ranks each trial runs on",
-              file=sys.stderr)
+    if nproc is None and not args.hostfile:
+        print("shardwise run: --autotuning needs --nproc-per-node N (or --num_gpus N, or a --hostfile's slots): the "
+              "ranks each trial runs on a node", file=sys.stderr)
         return 2
     config = args.config or deepspeed_config_arg(args.script_args)
     from . import build_parser  # the CLI's parser: `tune` reads its flags as given on its own
 
-    argv = ["tune", "--model", args.model, "--nproc-per-node", str(nproc), *(["--config", config] if config else []),
-            *(["--run-after"] if args.autotuning == "run" else []), args.script, *args.script_args]
+    nodes = [part for dest, flag in _NODE_FLAGS.items() if getattr(args, dest, None) is not None
+             for part in (flag, str(getattr(args, dest)))]
+    argv = ["tune", "--model", args.model, *(["--nproc-per-node", str(nproc)] if nproc else []), *nodes,
+            *(["--config", config] if config else []), *(["--run-after"] if args.autotuning == "run" else []),
+            args.script, *args.script_args]
     return run(build_parser().parse_args(argv))
