@@ -170,6 +170,7 @@ def example_inputs(batch, seq):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--accum", type=int, default=0)  # set by the tuner through arg_mappings
     args, _ = p.parse_known_args()  # --deepspeed and --deepspeed_config are DeepSpeed's
     sw.init()
     model = sw.DistributedModel(build())
@@ -187,17 +188,20 @@ if __name__ == "__main__":
         optimizer.step()
     if sw.rank() == 0:
         with open("trained.json", "w") as f:
-            json.dump({"config": json.load(open(os.environ["SHARDWISE_CONFIG"])), "steps": args.steps}, f)
+            json.dump({"config": json.load(open(os.environ["SHARDWISE_CONFIG"])), "steps": args.steps,
+                       "accum": args.accum}, f)
 '''
 
 
 def test_run_autotuning_run_tunes_then_trains_with_the_best_config(tmp_path, monkeypatch, capsys):
     """DeepSpeed's `deepspeed --autotuning run train.py --deepspeed --deepspeed_config ds.json` as `shardwise
-    run`: the script's DeepSpeed config's autotuning block sets the tuner (1 trial of 2 steps, results in tuned/),
-    then the real training runs all its steps on 4 ranks under best_config.json."""
+    run`: the script's DeepSpeed config's autotuning block sets the tuner (1 trial of 2 steps, results in tuned/,
+    the trial's microbatch count passed as --accum), then the real training runs all its steps on 4 ranks under
+    best_config.json with the best trial's arguments."""
     (tmp_path / "tiny_auto.py").write_text(textwrap.dedent(TRAINS))
     (tmp_path / "ds.json").write_text(json.dumps({"autotuning": {
-        "enabled": True, "tuner_num_trials": 1, "end_profile_step": 2, "results_dir": "tuned"}}))
+        "enabled": True, "tuner_num_trials": 1, "end_profile_step": 2, "results_dir": "tuned",
+        "arg_mappings": {"gradient_accumulation_steps": "--accum"}}}))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     code = main(["run", "--autotuning", "run", "--model", "tiny_auto:build", "--nproc-per-node", "4", "tiny_auto.py",
@@ -216,6 +220,8 @@ def test_run_autotuning_run_tunes_then_trains_with_the_best_config(tmp_path, mon
     assert 'alt="predicted and measured"' in (tuned / "tune_report.html").read_text()
     trained = json.loads((tmp_path / "trained.json").read_text())
     assert trained["steps"] == 3 and all(trained["config"].get(k) == v for k, v in best.items())
+    accum = best.get("microbatches", 1)
+    assert rows[0]["script_args"][-2:] == ["--accum", str(accum)] and trained["accum"] == accum
     assert "shardwise tune: running the best config: shardwise run --nproc-per-node 4 --config" in out
     assert main(["tune", "--model", "tiny_auto:build", "--results", "tuned", "x.py"]) == 2
     assert "trials.jsonl exists" in capsys.readouterr().err

@@ -33,6 +33,9 @@ def _block(**keys):
     ("results_dir", "tuned", "results", "tuned"),
     ("exps_dir", "exps", "runs_dir", "exps"),
     ("overwrite", True, "overwrite", True),
+    ("num_tuning_micro_batch_sizes", 2, "micro_batch_sizes", 2),
+    ("arg_mappings", {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}, "arg_mappings",
+     {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}),
 ])
 def test_each_mapped_key_sets_its_setting(key, value, setting, expected):
     assert tune_settings(_block(**{key: value})) == {setting: expected}
@@ -51,6 +54,9 @@ def test_fast_true_is_what_tune_does_and_false_is_refused():
     ({"tuner_num_trials": 0}, "autotuning.tuner_num_trials"),
     ({"start_profile_step": 6, "end_profile_step": 5}, "is after end_profile_step 5"),
     ({"tuner_num_trails": 3}, "unknown key"),
+    ({"num_tuning_micro_batch_sizes": 0}, "autotuning.num_tuning_micro_batch_sizes"),
+    ({"arg_mappings": {"zero_optimization.stage": "--stage"}}, "autotuning.arg_mappings.zero_optimization.stage"),
+    ({"arg_mappings": {"train_batch_size": "batch"}}, "must map config keys to the script's arguments"),
 ])
 def test_values_tune_cannot_honour_are_one_error(keys, named):
     with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace("'", ".")):
@@ -68,9 +74,8 @@ def test_run_notes_the_mapped_keys_and_lists_the_rest():
     notes, ignored = dict(t.notes), dict(t.ignored)
     assert notes["autotuning.metric"].startswith("read by shardwise tune --config as --metric")
     assert notes["autotuning.tuner_num_trials"] == "read by shardwise tune --config as --trials"
-    assert set(ignored) == {"autotuning.num_tuning_micro_batch_sizes", "autotuning.arg_mappings",
-                            "autotuning.mp_size"}
-    assert "batch is the script's own" in ignored["autotuning.num_tuning_micro_batch_sizes"]
+    assert notes["autotuning.arg_mappings"].startswith("read by shardwise tune --config as --arg-mapping")
+    assert set(ignored) == {"autotuning.mp_size"}
     assert not t.problems
 
 
@@ -97,6 +102,40 @@ def test_candidates_in_plan_order_or_shuffled_each_over_the_base_without_its_lay
     shuffled = candidates(spec, cluster, base, limit=10, global_batch=4, shuffled=True)
     assert sorted(c.rank for c in shuffled) == [c.rank for c in ordered]
     assert [c.rank for c in shuffled] != [c.rank for c in ordered]
+
+
+def test_micro_batch_sizes_try_more_microbatch_counts_of_each_layout():
+    """The planner keeps each layout's best microbatch count; num_tuning_micro_batch_sizes (--micro-batch-sizes)
+    adds that layout's next best counts that fit, up to that many, all in predicted order."""
+    spec = resolve_model("gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=16")
+    cluster = cluster_preset("local", devices_per_node=2)
+
+    def layouts(chosen):
+        return [json.dumps({k: v for k, v in c.config.items() if k != "microbatches"}, sort_keys=True)
+                for c in chosen]
+
+    planned = candidates(spec, cluster, {}, limit=50, global_batch=8)
+    two = candidates(spec, cluster, {}, limit=50, global_batch=8, micro_batch_sizes=2)
+    assert len(set(layouts(planned))) == len(planned)          # one microbatch count per layout
+    assert set(layouts(two)) == set(layouts(planned)) and max(layouts(two).count(k) for k in layouts(two)) == 2
+    assert len(two) > len(planned) and two[0].config == planned[0].config
+    times = [c.predicted_step_time_s for c in two]
+    assert times == sorted(times) and [c.rank for c in two] == list(range(1, len(two) + 1))
+    for c in two:
+        values = c.batch_values(8)
+        assert values["train_batch_size"] == 8 and values["gradient_accumulation_steps"] == \
+            c.config.get("microbatches", 1)
+        assert values["train_micro_batch_size_per_gpu"] * values["gradient_accumulation_steps"] == \
+            c.evaluation.batch_size
+
+
+def test_arg_mapping_flags_are_checked(capsys):
+    parse = build_parser().parse_args
+    args = parse(["tune", "--model", "gpt2", "--arg-mapping", "train_micro_batch_size_per_gpu=--batch", "train.py"])
+    assert _settings(args)["arg_mappings"] == {"train_micro_batch_size_per_gpu": "--batch"}
+    with pytest.raises(SystemExit):
+        parse(["tune", "--model", "gpt2", "--arg-mapping", "lr=--lr", "train.py"])
+    assert "write KEY=--FLAG with KEY one of train_micro_batch_size_per_gpu" in capsys.readouterr().err
 
 
 def test_overwrite_clears_an_earlier_run_and_its_trials_or_refuses_them(tmp_path, capsys):

@@ -58,13 +58,44 @@ def test_a_run_that_cannot_go_on_stops_before_its_next_trial(tmp_path, chosen):
     """Across nodes a node that stopped answering halts the run (tune/nodes.py): no further launch would meet."""
     ran = []
 
-    def runner(config, run_dir):
+    def runner(config, run_dir, script_args):
         ran.append(run_dir.name)
         return TrialResult(run_dir, 1, 1.0, failure="crash", message="node 1 sent no report")
 
     result = tune(chosen, TuneSettings(script="x.py", bound_margin=None, results=tmp_path), runner=runner,
                   halted=lambda: "node 1 stopped answering" if ran else None)
     assert ran == ["trial1"] and result.stopped == "node 1 stopped answering" and len(result.rows) == 1
+
+
+def test_arg_mappings_pass_each_trials_batch_to_the_script(tmp_path, chosen):
+    """DeepSpeed's arg_mappings: the trial's micro batch and microbatch count replace the script's own arguments
+    (or are added), and the best trial's arguments are in best_cmd.txt."""
+    seen = []
+
+    def runner(config, run_dir, script_args):
+        seen.append(script_args)
+        return TrialResult(run_dir, 0, 1.0, Measurement(3, 2, 0.1 * len(seen), 10.0, None, {0: 1}))
+
+    settings = TuneSettings(script="x.py", script_args=("--per_device_train_batch_size", "99", "--lr=1"),
+                            bound_margin=None, results=tmp_path, planning={"global_batch": 4},
+                            arg_mappings={"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+                                          "gradient_accumulation_steps": "--gradient_accumulation_steps"})
+    result = tune(chosen, settings, runner=runner)
+    for candidate, args in zip(chosen, seen):
+        values = candidate.batch_values(4)
+        assert args == ("--per_device_train_batch_size", str(values["train_micro_batch_size_per_gpu"]), "--lr=1",
+                        "--gradient_accumulation_steps", str(values["gradient_accumulation_steps"]))
+    assert result.rows[0]["script_args"] == list(seen[0])
+    write_results(result, settings)
+    assert (tmp_path / "best_cmd.txt").read_text().rstrip().endswith("x.py " + " ".join(seen[0]))
+
+
+def test_with_arguments_sets_a_flag_where_it_is_given_or_adds_it():
+    from shardwise.tune.tuner import with_arguments
+
+    assert with_arguments(["--a", "1", "--b=2", "pos"], {"--a": "5", "--b": "6", "--c": "7"}) == \
+        ("--a", "5", "--b=6", "pos", "--c", "7")
+    assert with_arguments([], {}) == ()
 
 
 def test_early_stopping_after_trials_that_do_not_beat_the_best(monkeypatch, tmp_path, chosen):

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import deepspeed
-from ..config.deepspeed.autotuning import tune_settings
+from ..config.deepspeed.autotuning import ARG_KEYS, tune_settings
 from ..config.sources import load_dict, read_file
 from ..planner import CHECKPOINTING, MODEL_PRESETS, PlanError, resolve_model
 from ..planner.cluster_file import CLUSTER_VALUES, is_cluster_file, resolve_cluster
@@ -89,6 +89,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start no trial after this many seconds")
     p.add_argument("--trial-timeout", type=positive(float), default=600.0, metavar="SECONDS",
                    help="a trial still running after this is stopped and named a hang (default 600)")
+    p.add_argument("--micro-batch-sizes", type=positive(int), metavar="N",
+                   help="at most N micro batch sizes (microbatch counts at the planned global batch) of each layout, "
+                        "the planner's best first (DeepSpeed's num_tuning_micro_batch_sizes; default: no limit)")
+    p.add_argument("--arg-mapping", dest="arg_mappings", action="append", type=_arg_mapping, metavar="KEY=--FLAG",
+                   help="pass each trial's KEY (train_micro_batch_size_per_gpu, gradient_accumulation_steps or "
+                        "train_batch_size) to the script as --FLAG, for a script that reads its batch from arguments "
+                        "(DeepSpeed's arg_mappings; repeatable)")
     p.add_argument("--early-stopping", type=positive(int), metavar="N",
                    help="stop after N trials in a row that do not beat the best")
     p.add_argument("--bound-margin", type=float, default=DEFAULT_MARGIN, metavar="FRACTION",
@@ -124,8 +131,17 @@ def _precision(base: dict) -> str | None:
     return next((name for name in ("bf16", "fp16") if base.get(name)), None)
 
 
+def _arg_mapping(text: str) -> tuple[str, str]:
+    key, _, flag = text.partition("=")
+    if key not in ARG_KEYS or not flag.startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r}: write KEY=--FLAG with KEY one of {', '.join(ARG_KEYS)}, e.g. "
+                                         "train_micro_batch_size_per_gpu=--per_device_train_batch_size")
+    return key, flag
+
+
 _DEFAULTS = {"trials": 3, "steps": 3, "warmup": 1, "metric": "throughput", "early_stopping": None,
-             "results": "tune_results", "runs_dir": None, "overwrite": False, "order": "model_based"}
+             "results": "tune_results", "runs_dir": None, "overwrite": False, "order": "model_based",
+             "micro_batch_sizes": None, "arg_mappings": {}}
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -136,6 +152,8 @@ def _settings(args: argparse.Namespace) -> dict:
         block = tune_settings(data) if deepspeed.is_deepspeed(data) else {}
     if "steps" in block and args.warmup is None and "warmup" not in block:
         block["warmup"] = min(_DEFAULTS["warmup"], block["steps"] - 1)
+    if args.arg_mappings is not None:
+        args.arg_mappings = dict(args.arg_mappings)
     return {key: (getattr(args, key, None) if getattr(args, key, None) is not None else block.get(key, default))
             for key, default in _DEFAULTS.items()}
 
@@ -199,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
     settings = TuneSettings(script=args.script, script_args=tuple(args.script_args), nproc=nproc, steps=s["steps"],
                             warmup=s["warmup"], metric=s["metric"], time_budget_s=args.time_budget,
                             trial_deadline_s=args.trial_timeout, early_stopping=s["early_stopping"], results=results,
-                            runs=runs, bound_margin=None if args.no_bound_stop else args.bound_margin, place=place)
+                            runs=runs, bound_margin=None if args.no_bound_stop else args.bound_margin, place=place,
+                            arg_mappings=s["arg_mappings"])
     if place is None:
         return _lead(args, s, settings, None)
     started = time.time()
@@ -232,7 +251,7 @@ def _lead(args: argparse.Namespace, s: dict, settings: TuneSettings, channel: No
                                   **_cluster_values(args))
         chosen = candidates(spec, cluster, base, limit=s["trials"], global_batch=args.global_batch, seq=args.seq,
                             precision=_precision(base), checkpointing=args.checkpointing,
-                            shuffled=s["order"] == "random")
+                            shuffled=s["order"] == "random", micro_batch_sizes=s["micro_batch_sizes"])
     except PlanError as err:
         print(f"shardwise tune: {err}", file=sys.stderr)
         return 2
@@ -268,13 +287,14 @@ def _lead(args: argparse.Namespace, s: dict, settings: TuneSettings, channel: No
     if best_path is None:
         return 1
     if args.run_after:
-        print(f"shardwise tune: running the best config: {best_command(settings, best_path)}", flush=True)
+        args = result.best["script_args"]
+        print(f"shardwise tune: running the best config: {best_command(settings, best_path, args)}", flush=True)
         nodes = []
         if channel is not None:
             port = free_port()
-            channel.train(result.best["config"], port)
+            channel.train(result.best["config"], args, port)
             nodes = settings.place.launch_flags(port)
-        return launch_best(settings.script, settings.script_args, settings.nproc, best_path, nodes)
+        return launch_best(settings.script, args, settings.nproc, best_path, nodes)
     return 0
 
 

@@ -12,7 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from ..planner import ClusterSpec, Evaluation, ModelSpec, plan
+from ..config import ConfigError
+from ..planner import ClusterSpec, Evaluation, ModelSpec, evaluate, plan
 from ..planner.errors import PlanError
 
 
@@ -33,6 +34,13 @@ class Candidate:
     def predicted_memory_bytes(self) -> float:
         return self.evaluation.memory.total
 
+    def batch_values(self, global_batch: int) -> dict[str, int]:
+        """The batch as DeepSpeed's config keys say it (for `arg_mappings`): sequences per rank per microbatch,
+        microbatches per step, sequences per step."""
+        e = self.evaluation
+        return {"train_micro_batch_size_per_gpu": e.micro_batch or e.batch_size,
+                "gradient_accumulation_steps": e.config.get("microbatches", 1), "train_batch_size": global_batch}
+
 
 # The keys a planned layout sets (planner/search.py's config_dict, and the optimizer-state offload it adds); a
 # base config's own values of them give way to each candidate's, set or left at their defaults.
@@ -47,16 +55,44 @@ def merged(base: Mapping[str, Any], planned: Mapping[str, Any]) -> dict[str, Any
     return {**{k: v for k, v in base.items() if k not in TUNED_KEYS}, **planned}
 
 
+def micro_batch_variants(spec: ModelSpec, cluster: ClusterSpec, chosen: Evaluation, global_batch: int,
+                         seq: Optional[int], count: int) -> list[Evaluation]:
+    """The planner's pick of a layout and up to `count` - 1 other microbatch counts of it that fit (powers of two
+    dividing its replica's batch: other micro batch sizes at the same global batch), fastest predicted first."""
+    others = []
+    for m in (1 << i for i in range(chosen.batch_size.bit_length())):
+        if chosen.batch_size % m or m == chosen.config.get("microbatches", 1):
+            continue
+        config = {k: v for k, v in chosen.config.items() if k != "microbatches"} | ({"microbatches": m} if m > 1
+                                                                                      else {})
+        try:
+            variant = evaluate(spec, cluster, config, global_batch=global_batch, seq=seq,
+                               checkpointing=chosen.checkpointing)
+        except (ConfigError, PlanError):
+            continue
+        if variant.fits:
+            others.append(variant)
+    return [chosen, *sorted(others, key=lambda e: e.step_time)[:count - 1]]
+
+
 def candidates(spec: ModelSpec, cluster: ClusterSpec, base: Mapping[str, Any], *, limit: int,
                global_batch: Optional[int] = None, seq: Optional[int] = None, precision: Optional[str] = None,
-               checkpointing: str = "none", shuffled: bool = False) -> list[Candidate]:
-    """Up to `limit` distinct configs among the fitting layouts planned with `checkpointing`, in plan order, or
-    `shuffled` (a random order, seed 0: DeepSpeed's random tuner). Each keeps its place in the plan as `rank`."""
+               checkpointing: str = "none", shuffled: bool = False,
+               micro_batch_sizes: Optional[int] = None) -> list[Candidate]:
+    """Up to `limit` distinct configs among the fitting layouts planned with `checkpointing`, fastest predicted
+    first, or `shuffled` (a random order, seed 0: DeepSpeed's random tuner). The planner keeps each layout's best
+    microbatch count; with `micro_batch_sizes` (DeepSpeed's num_tuning_micro_batch_sizes) up to that many of each
+    layout are tried. Each keeps its place in that order as `rank`."""
     result = plan(spec, cluster, global_batch=global_batch, seq=seq, precision=precision)
+    picks = [e for e in result.fitting if e.checkpointing == checkpointing]
+    if micro_batch_sizes is not None and micro_batch_sizes > 1:
+        picks = sorted((v for e in picks for v in micro_batch_variants(spec, cluster, e, result.global_batch,
+                                                                       seq, micro_batch_sizes)),
+                       key=lambda e: e.step_time)
     distinct: list[Candidate] = []
     seen: list[dict] = []
-    for e in result.fitting:
-        if e.checkpointing != checkpointing or e.config in seen:
+    for e in picks:
+        if e.config in seen:
             continue
         seen.append(e.config)
         distinct.append(Candidate(len(distinct) + 1, merged(base, e.config), e))

@@ -17,7 +17,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .measure import Measurement, peak_memory
 from .results import write_best_config
@@ -81,9 +81,10 @@ class NodeChannel:
             self._read += 1
         return message
 
-    def train(self, config: dict[str, Any], port: int) -> None:
-        """Send every node to train with `config`, meeting at `port`; back once each has read it."""
-        self.announce({"kind": "train", "config": config, "port": port})
+    def train(self, config: dict[str, Any], script_args: Sequence[str], port: int) -> None:
+        """Send every node to train with `config` and the script's `script_args`, meeting at `port`; back once each
+        has read it."""
+        self.announce({"kind": "train", "config": config, "script_args": list(script_args), "port": port})
         self.trained = True
         self.wait_goodbyes()
 
@@ -159,10 +160,11 @@ def across_nodes(channel: NodeChannel, settings: TuneSettings) -> TrialRunner:
     next launch would wait for it: the tuning run stops)."""
     place = channel.place
 
-    def run(config: dict[str, Any], run_dir: Path) -> TrialResult:
+    def run(config: dict[str, Any], run_dir: Path, script_args: Sequence[str]) -> TrialResult:
         port = free_port()
-        channel.announce({"kind": "trial", "config": config, "port": port, "run_dir": run_dir.name})
-        local = run_trial(config, settings.script, settings.script_args, nproc=settings.nproc, steps=settings.steps,
+        channel.announce({"kind": "trial", "config": config, "port": port, "run_dir": run_dir.name,
+                          "script_args": list(script_args)})
+        local = run_trial(config, settings.script, script_args, nproc=settings.nproc, steps=settings.steps,
                           warmup=settings.warmup, deadline_s=settings.trial_deadline_s, run_dir=run_dir,
                           nnodes=place.nnodes, nodes=place.launch_flags(port))
         # another node's share may run on to the deadline after this one failed (its ranks waiting for these)
@@ -189,7 +191,7 @@ def follow(channel: NodeChannel, settings: TuneSettings, since: float) -> int:
         if message["kind"] == "trial":
             run_dir = runs / message["run_dir"]
             clear_stale(run_dir, since)
-            result = run_trial(message["config"], settings.script, settings.script_args, nproc=settings.nproc,
+            result = run_trial(message["config"], settings.script, message["script_args"], nproc=settings.nproc,
                                steps=settings.steps, warmup=settings.warmup, deadline_s=settings.trial_deadline_s,
                                run_dir=run_dir, nnodes=place.nnodes, nodes=place.launch_flags(message["port"]))
             channel.report(message["run_dir"], outcome(result))
@@ -199,7 +201,7 @@ def follow(channel: NodeChannel, settings: TuneSettings, since: float) -> int:
         channel.goodbye()
         if message["kind"] == "train":
             path = write_best_config(settings.results, message["config"])
-            return launch_best(settings.script, settings.script_args, settings.nproc, path,
+            return launch_best(settings.script, message["script_args"], settings.nproc, path,
                                place.launch_flags(message["port"]))
         print(f"shardwise tune: node {place.node_rank}: node 0 ended the run: {message['reason']}", flush=True)
         return message["code"]

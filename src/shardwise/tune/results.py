@@ -24,13 +24,14 @@ REPORT_FILE = "tune_report.html"  # written by report.py
 RESULT_FILES = (BEST_CONFIG_FILE, BEST_CMD_FILE, SUMMARY_FILE, REPORT_FILE)
 
 
-def best_command(settings: TuneSettings, config_path: Path) -> str:
-    """The `shardwise run` of the best config; across nodes, the one every node runs with its own $NODE_RANK."""
+def best_command(settings: TuneSettings, config_path: Path, script_args: Sequence[str]) -> str:
+    """The `shardwise run` of the best config (and the script's arguments in its trial); across nodes, the one every
+    node runs with its own $NODE_RANK."""
     place = settings.place
     nodes = "" if place is None else (f" --nnodes {place.nnodes} --node-rank $NODE_RANK --master-addr "
                                       f"{shlex.quote(place.master_addr)} --master-port {place.master_port}")
     return (f"shardwise run --nproc-per-node {settings.nproc}{nodes} "
-            + shlex.join(["--config", str(config_path.resolve()), settings.script, *settings.script_args]))
+            + shlex.join(["--config", str(config_path.resolve()), settings.script, *script_args]))
 
 
 def write_best_config(results: Path, config: dict[str, Any]) -> Path:
@@ -52,7 +53,8 @@ def write_results(result: TuneResult, settings: TuneSettings) -> Optional[Path]:
     if result.best is None:
         return None
     path = write_best_config(settings.results, result.best["config"])
-    (settings.results / BEST_CMD_FILE).write_text(best_command(settings, path) + "\n", encoding="utf-8")
+    (settings.results / BEST_CMD_FILE).write_text(best_command(settings, path, result.best["script_args"]) + "\n",
+                                                  encoding="utf-8")
     return path
 
 
@@ -106,4 +108,5 @@ def print_results(result: TuneResult, settings: TuneSettings, best_path: Optiona
         console.print(f"no trial was measured; see {settings.results / TRIALS_FILE}", markup=False, highlight=False)
     else:
         console.print(f"best ({settings.metric}): trial {result.best['trial']}; config {best_path}; run it with: "
-                      f"{best_command(settings, best_path)}", markup=False, highlight=False, soft_wrap=True)
+                      f"{best_command(settings, best_path, result.best['script_args'])}", markup=False,
+                      highlight=False, soft_wrap=True)

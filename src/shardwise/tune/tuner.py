@@ -36,6 +36,8 @@ class TuneSettings:
     runs: Optional[Path] = None            # where each trial's run directory goes (default: results)
     planning: Mapping[str, Any] = field(default_factory=dict)  # what the candidates were planned with (summary.json)
     place: Optional[NodePlace] = None      # this node's place in a tuning run across nodes (nodes.py)
+    # DeepSpeed's arg_mappings: a batch value a trial sets (Candidate.batch_values) → the script's argument for it
+    arg_mappings: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,10 +51,37 @@ class TuneResult:
         return planner_accuracy(self.rows)
 
 
-def trial_row(number: int, candidate: Candidate, result: TrialResult) -> dict[str, Any]:
-    """What trials.jsonl holds for one trial: the candidate, its prediction, and what was measured or why not."""
+def with_arguments(args: Sequence[str], values: Mapping[str, str]) -> tuple[str, ...]:
+    """`args` with each `--flag` of `values` set to its value: where given (`--flag v` or `--flag=v`) in place,
+    else added at the end."""
+    out, rest, i = [], dict(values), 0
+    while i < len(args):
+        name, eq, _ = args[i].partition("=")
+        if name in values:
+            out += [f"{name}={values[name]}"] if eq else [name, values[name]]
+            i += 0 if eq else 1   # the value given after it
+            rest.pop(name, None)
+        else:
+            out.append(args[i])
+        i += 1
+    return tuple(out + [part for flag, value in rest.items() for part in (flag, value)])
+
+
+def trial_arguments(settings: TuneSettings, candidate: Candidate) -> tuple[str, ...]:
+    """The script's arguments in a candidate's trial: the batch values `arg_mappings` names, set over the given
+    arguments."""
+    if not settings.arg_mappings:
+        return tuple(settings.script_args)
+    values = candidate.batch_values(settings.planning.get("global_batch") or 0)
+    return with_arguments(settings.script_args, {flag: str(values[key]) for key, flag in settings.arg_mappings.items()})
+
+
+def trial_row(number: int, candidate: Candidate, result: TrialResult,
+              script_args: Sequence[str] = ()) -> dict[str, Any]:
+    """What trials.jsonl holds for one trial: the candidate, its prediction, the script's arguments, and what was
+    measured or why not."""
     m = result.measurement
-    row = {"trial": number, "plan_rank": candidate.rank, "config": candidate.config,
+    row = {"trial": number, "plan_rank": candidate.rank, "config": candidate.config, "script_args": list(script_args),
            "layout": candidate.evaluation.layout.degrees(),
            "predicted_step_time_s": candidate.predicted_step_time_s,
            "predicted_memory_bytes": candidate.predicted_memory_bytes,
@@ -84,15 +113,16 @@ def _better(metric: str, row: dict[str, Any], best: Optional[dict[str, Any]]) ->
     return value > best[key] if more else value < best[key]
 
 
-# One trial: its config and run directory in, what it did out (run_trial on this node's ranks, or across nodes).
-TrialRunner = Callable[[dict[str, Any], Path], TrialResult]
+# One trial: its config, run directory and the script's arguments in, what it did out (run_trial on this node's
+# ranks, or across nodes).
+TrialRunner = Callable[[dict[str, Any], Path, Sequence[str]], TrialResult]
 
 
 def on_this_node(settings: TuneSettings) -> TrialRunner:
     """Trials launched on this node's ranks."""
-    return lambda config, run_dir: run_trial(config, settings.script, settings.script_args, nproc=settings.nproc,
-                                             steps=settings.steps, warmup=settings.warmup,
-                                             deadline_s=settings.trial_deadline_s, run_dir=run_dir)
+    return lambda config, run_dir, args: run_trial(config, settings.script, args, nproc=settings.nproc,
+                                                   steps=settings.steps, warmup=settings.warmup,
+                                                   deadline_s=settings.trial_deadline_s, run_dir=run_dir)
 
 
 def tune(candidates: Sequence[Candidate], settings: TuneSettings,
@@ -123,8 +153,9 @@ def tune(candidates: Sequence[Candidate], settings: TuneSettings,
         if bound:
             result.stopped = bound.describe(settings.metric, settings.bound_margin)
             break
-        trial = runner(candidate.config, (settings.runs or settings.results) / f"trial{number}")
-        row = trial_row(number, candidate, trial)
+        args = trial_arguments(settings, candidate)
+        trial = runner(candidate.config, (settings.runs or settings.results) / f"trial{number}", args)
+        row = trial_row(number, candidate, trial, args)
         result.rows.append(row)
         tried.append((candidate, row))
         append_trial(settings.results, row)

@@ -36,13 +36,17 @@ MAPPED = {
     "results_dir": ("results", "--results: trials.jsonl, best_config.json, best_cmd.txt, summary.json"),
     "exps_dir": ("runs_dir", "--runs-dir: each trial's run directory"),
     "overwrite": ("overwrite", "--overwrite: true replaces earlier results in results_dir; false refuses them"),
+    "num_tuning_micro_batch_sizes": ("micro_batch_sizes", "--micro-batch-sizes: at most this many micro batch sizes "
+                                     "(microbatch counts at the planned global batch) per layout"),
+    "arg_mappings": ("arg_mappings", "--arg-mapping: each trial passes its train_micro_batch_size_per_gpu, "
+                     "gradient_accumulation_steps or train_batch_size to the script as the mapped argument"),
 }
-_BATCH = ("the batch is the script's own: shardwise tune tries layouts (degrees, ZeRO stage, MiCS group, "
-          "microbatches, offload), not batch sizes")
+# The config values a trial can pass to the script through arg_mappings (tune/candidates.py Candidate.batch_values).
+ARG_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+_BATCH = ("the global batch is the planned one (--global-batch): shardwise tune tries layouts (degrees, ZeRO stage, "
+          "MiCS group, microbatches, offload), and micro batch sizes within that batch, not batch sizes")
 NOT_BUILT = {
-    "arg_mappings": "no script argument is tuned: each trial changes config keys only, which the script reads "
-                    "through sw.init",
-    "num_tuning_micro_batch_sizes": _BATCH, "max_train_batch_size": _BATCH, "min_train_batch_size": _BATCH,
+    "max_train_batch_size": _BATCH, "min_train_batch_size": _BATCH,
     "max_train_micro_batch_size_per_gpu": _BATCH, "min_train_micro_batch_size_per_gpu": _BATCH,
     "mp_size": "the planner searches tensor_parallel_degree itself",
     "model_info": "the planner reads the model from shardwise tune --model", "model_info_path": "the same",
@@ -61,7 +65,19 @@ def _check_values(t: Translation, section: Mapping[str, Any]) -> None:
     if kind is not None and kind not in TUNER_TYPES:
         t.problem("autotuning.tuner_type", kind, f"is not one DeepSpeed accepts: {', '.join(TUNER_TYPES)}",
                   "use model_based, gridsearch or random")
-    for key in ("start_profile_step", "end_profile_step", "tuner_early_stopping", "tuner_num_trials"):
+    mappings = section.get("arg_mappings")
+    if mappings is not None:
+        if not isinstance(mappings, Mapping) or not all(isinstance(v, str) and v.startswith("-")
+                                                        for v in mappings.values()):
+            t.problem("autotuning.arg_mappings", mappings, "must map config keys to the script's arguments",
+                      'e.g. {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}')
+        else:
+            for key in mappings:
+                if key not in ARG_KEYS:
+                    t.problem(f"autotuning.arg_mappings.{key}", mappings[key], "is not a value a trial sets "
+                              "(shardwise tune tries layouts and micro batch sizes)", f"map one of {', '.join(ARG_KEYS)}")
+    for key in ("start_profile_step", "end_profile_step", "tuner_early_stopping", "tuner_num_trials",
+                "num_tuning_micro_batch_sizes"):
         value = section.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             t.problem(f"autotuning.{key}", value, "must be a whole number of 1 or more", "e.g. 3")
