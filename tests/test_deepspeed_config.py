@@ -219,8 +219,6 @@ def test_loss_scale_keys_without_fp16_are_named():
 
 # Each key seed 003 shows that shardwise cannot honour, as it is written there.
 UNHONOURED = {
-    "autotuning.arg_mappings": {"autotuning": {"enabled": True, "metric": "throughput",
-                                               "arg_mappings": {"train_micro_batch_size_per_gpu": "--batch"}}},
     "pipeline": {"pipeline": {"activation_checkpoint_interval": 1}},
     "flops_profiler.module_depth": {"flops_profiler": {"enabled": True, "module_depth": -1}},
     "flops_profiler.top_modules": {"flops_profiler": {"enabled": True, "top_modules": 3}},
@@ -247,14 +245,17 @@ def test_each_untranslatable_key_is_listed(key):
 def test_check_config_prints_the_translation(tmp_path, capsys):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({**SEED_CONFIG, "fp16": {"enabled": True, "loss_scale_window": 500, "hysteresis": 2},
-                                "bf16": {"enabled": False}, **UNHONOURED["autotuning.arg_mappings"]}))
+                                "bf16": {"enabled": False}, **UNHONOURED["pipeline"],
+                                "autotuning": {"enabled": True, "metric": "throughput",
+                                               "arg_mappings": {"train_micro_batch_size_per_gpu": "--batch"}}}))
     assert main(["check-config", "--config", str(path), "--nproc-per-node", "2"]) == 0
     out = capsys.readouterr().out
     assert "microbatches = 2    <- gradient_accumulation_steps" in out
     assert "zero_stage = 2    <- zero_optimization.stage" in out
     assert "'scale_window': 500" in out and "'init_scale': 65536.0" in out and "'delayed_shift': 2" in out
     assert "autotuning.metric: read by shardwise tune --config as --metric" in out
-    assert "not honoured:\n  autotuning.arg_mappings: no script argument is tuned" in out
+    assert "autotuning.arg_mappings: read by shardwise tune --config as --arg-mapping" in out
+    assert "not honoured:\n  pipeline" in out
     assert "data parallel: ZeRO-2; precision: fp16; microbatches: 2" in out
     path.write_text(json.dumps({**SEED_CONFIG, "train_micro_batch_size_per_gpu": 4}))
     assert main(["check-config", "--config", str(path), "--nproc-per-node", "2"]) == 2
