@@ -152,9 +152,10 @@ def _settings(args: argparse.Namespace) -> dict:
         block = tune_settings(data) if deepspeed.is_deepspeed(data) else {}
     if "steps" in block and args.warmup is None and "warmup" not in block:
         block["warmup"] = min(_DEFAULTS["warmup"], block["steps"] - 1)
-    if args.arg_mappings is not None:
-        args.arg_mappings = dict(args.arg_mappings)
-    return {key: (getattr(args, key, None) if getattr(args, key, None) is not None else block.get(key, default))
+    flags = {key: getattr(args, key, None) for key in _DEFAULTS}
+    if flags["arg_mappings"] is not None:  # --arg-mapping's (key, flag) pairs
+        flags["arg_mappings"] = dict(flags["arg_mappings"])
+    return {key: flags[key] if flags[key] is not None else block.get(key, default)
             for key, default in _DEFAULTS.items()}
 
 

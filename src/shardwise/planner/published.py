@@ -23,7 +23,8 @@ _CLUSTER_UNITS = {"nodes": 1, "devices_per_node": 1, "device_memory_gib": GiB, "
                   "intra_node_gbs": GB, "inter_node_gbs": GB, "power_limit_watts": 1, "clock_mhz": 1}
 _CLUSTER_KEYS = {"device_memory_gib": "device_memory_bytes", "device_memory_bandwidth_gbs": "memory_bandwidth",
                  "intra_node_gbs": "intra_node_bandwidth", "inter_node_gbs": "inter_node_bandwidth"}
-_KERNEL_KEYS = ("flash_attention", "fused_rmsnorm", "fused_cross_entropy")  # the run's kernels (hardware.Kernels), as the source states
+# The run's kernels (hardware.Kernels), as its source states them.
+_KERNEL_KEYS = ("flash_attention", "fused_rmsnorm", "fused_cross_entropy")
 
 
 def megatron_flops_per_token(spec: ModelSpec, seq: int) -> float:
