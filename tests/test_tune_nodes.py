@@ -148,3 +148,23 @@ def test_a_node_clears_only_what_an_earlier_run_left(tmp_path):
     clear_stale(new, since)
     assert not old.exists() and not (tmp_path / "trial1.config.json").exists()
     assert new.exists() and (tmp_path / "trial2.config.json").exists()
+
+
+def test_the_nodes_come_from_the_flags_or_a_hostfile_as_run_reads_them(tmp_path, capsys):
+    from shardwise.cli import build_parser, main
+    from shardwise.cli.tune import _launch_shape
+    from shardwise.tune.trial import NodePlace
+
+    (tmp_path / "hosts").write_text("localhost slots=2\nnode-b slots=2\n")
+    script = tmp_path / "train.py"
+    script.write_text("")
+    parse = build_parser().parse_args
+    assert _launch_shape(parse(["tune", "--model", "gpt2", str(script)])) == (1, None)
+    assert _launch_shape(parse(["tune", "--model", "gpt2", "--hostfile", str(tmp_path / "hosts"), str(script)])) == \
+        (2, NodePlace(nnodes=2, node_rank=0, master_addr="localhost", master_port=29500))
+    assert _launch_shape(parse(["tune", "--model", "gpt2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "a",
+                                "--master-port", "29611", "--nproc-per-node", "4", str(script)])) == \
+        (4, NodePlace(nnodes=2, node_rank=1, master_addr="a", master_port=29611))
+    assert main(["tune", "--model", "gpt2", "--nnodes", "2", "--node-rank", "1", str(script)]) == 2
+    assert capsys.readouterr().err.strip() == ("shardwise tune: --nnodes=2 needs the rendezvous host; fix: pass "
+                                               "--master-addr (the address of node 0) or --hostfile")
