@@ -168,3 +168,13 @@ def test_the_nodes_come_from_the_flags_or_a_hostfile_as_run_reads_them(tmp_path,
     assert main(["tune", "--model", "gpt2", "--nnodes", "2", "--node-rank", "1", str(script)]) == 2
     assert capsys.readouterr().err.strip() == ("shardwise tune: --nnodes=2 needs the rendezvous host; fix: pass "
                                                "--master-addr (the address of node 0) or --hostfile")
+
+
+def test_a_node_without_node_0_stops_in_one_line(capfd):
+    from shardwise.tune.nodes import NodeChannel
+    from shardwise.tune.trial import NodePlace
+
+    with pytest.raises(ConnectionError) as caught:
+        NodeChannel(NodePlace(2, 1, "127.0.0.1", _free_port()), connect_s=2)
+    assert "node 1: no tuning node 0 at 127.0.0.1:" in str(caught.value) and "within 2 s" in str(caught.value)
+    assert "--node-rank 0" in str(caught.value) and not capfd.readouterr().err  # no store client's retry logs

@@ -42,6 +42,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for_listener(addr: str, port: int, timeout_s: float, node_rank: int) -> None:
+    """Until node 0 listens at addr:port (it may start later), or a ConnectionError after `timeout_s`: probed with
+    plain connections, so a node started first waits quietly (torch's store client logs every retry with a stack
+    trace)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"node {node_rank}: no tuning node 0 at {addr}:{port} within {timeout_s:g} s "
+                                      f"({err.strerror or err}); start the same command there with --node-rank 0") \
+                    from None
+            time.sleep(1.0)
+
+
 class NodeChannel:
     """Messages from node 0 to all (numbered, read in order) and each node's report of each trial."""
 
@@ -49,17 +66,17 @@ class NodeChannel:
         from torch.distributed import TCPStore  # torch only when tuning across nodes
 
         self.place = place
+        where = f"{place.master_addr}:{place.master_port}"
+        if not place.leads:
+            _wait_for_listener(place.master_addr, place.master_port, connect_s, place.node_rank)
         try:
             self.store = TCPStore(place.master_addr, place.master_port, is_master=place.leads,
                                   wait_for_workers=False, timeout=timedelta(seconds=connect_s))
         except (RuntimeError, OSError) as err:
-            where = f"{place.master_addr}:{place.master_port}"
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConnectionError(
-                f"node {place.node_rank}: " + (f"cannot listen at {where} ({first}); pass another --master-port"
-                                               if place.leads else
-                                               f"no tuning node 0 at {where} within {connect_s:g} s ({first}); start "
-                                               "the same command there with --node-rank 0")) from None
+            raise ConnectionError(f"node {place.node_rank}: " + (
+                f"cannot listen at {where} ({first}); pass another --master-port" if place.leads else
+                f"cannot join node 0's store at {where} ({first})")) from None
         self._sent = self._read = 0
         self.lost: list[int] = []  # nodes silent past the grace after the last trial
         self.trained = False       # node 0 has sent every node to train with the best config
