@@ -6,7 +6,9 @@ for a few optimizer steps, measured, and the measured best written as a config `
     tune(...)           the trials in the planner's order within a budget; the best, and how good the plan was
 
 Modules: `candidates`, `trial` (launch and failure kinds), `measure` (what a trial's run directory holds),
-`accuracy` (prediction errors, Spearman's rho, regret), `results` (files and the console table), `tuner`.
+`accuracy` (prediction errors, Spearman's rho, regret), `results` (files and the console table), `tuner`,
+`nodes` (a tuning run across nodes: node 0 announces each trial, every node launches its share and reports),
+`bound` (the planner's early stop), `calibrate` (the cluster's constants fitted to the trials), `report`.
 """
 
 from .accuracy import Accuracy, planner_accuracy, spearman
