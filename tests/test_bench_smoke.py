@@ -1,5 +1,6 @@
 """The benches run end to end: bench/sharding.py (every configuration trains, and is timed and measured, in fp32 and
-bf16) and bench/link.py on its namespace cluster (where there is root)."""
+bf16), bench/link.py on its namespace cluster and bench/tune.py across its two namespace nodes (where there is
+root)."""
 
 import json
 import os
@@ -136,3 +137,21 @@ def test_largest_model_search_starts_at_the_prediction_and_gallops(monkeypatch):
     assert search(20, 7, lambda i: i <= 7)[1] == [7, 8]  # an exact prediction costs two trials
     assert search(20, 7, lambda i: i <= 9)[1] == [7, 8, 10, 9]  # one two off, four
     assert search(20, 7, lambda i: i <= 5)[1] == [7, 6, 4, 5]
+
+
+@pytest.mark.skipif(not ROOT, reason="bench/tune.py --nodes 2 builds network namespaces, which needs root")
+def test_tune_bench_runs_across_the_namespace_nodes(tmp_path):
+    """bench/tune.py --nodes 2: `shardwise tune` in each namespace node, node 0 keeping the results; one GPT-2
+    trial measured on both ranks, its row in the markdown table; the namespaces are gone afterwards."""
+    def namespaces() -> set[str]:
+        return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+
+    before = namespaces()
+    result = subprocess.run([sys.executable, str(BENCH.parent / "tune.py"), "--nodes", "2", "--nproc", "1", "--rate",
+                             "800mbit", "--trials", "1", "--steps", "2", "--families", "gpt2", "--batch-size", "2",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    row = json.loads((tmp_path / "gpt2" / "trials.jsonl").read_text())
+    assert row["failure"] is None and set(row["peak_memory_bytes"]) == {"0", "1"}, row
+    assert "| gpt2 | 2 × 1 (800mbit) | 1 | 1 |" in (tmp_path / "summary.md").read_text()
+    assert namespaces() == before
