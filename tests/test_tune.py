@@ -21,50 +21,13 @@ from shardwise.runtime.step_limit import STOP_AFTER_STEPS_ENV, step_limit
 from shardwise.topology import Cluster
 from shardwise.tune import Candidate, TuneSettings, planner_accuracy, run_trial, spearman, tune
 from shardwise.tune.trial import _wait, classify
-
-# Trains a 2-layer MLP with sw; under ZeRO-3 it crashes at once, under ZeRO-2 rank 1 runs out of memory under a
-# cap on its address space; it runs far more steps than a trial, so only the step limit ends it.
-SCRIPT = '''
-import json, os, resource
-import torch
-import shardwise as sw
-
-
-def build():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
-
-
-if __name__ == "__main__":
-    sw.init()
-    config = json.load(open(os.environ["SHARDWISE_CONFIG"]))
-    if config.get("zero_stage") == 3:
-        raise RuntimeError("injected crash under ZeRO-3")
-    if config.get("zero_stage") == 2 and sw.rank() == 1:
-        size = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:")) * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
-        torch.ones(1 << 30, dtype=torch.uint8)
-    model = sw.DistributedModel(build())
-    optimizer = sw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @sw.step
-    def train_step(model, x):
-        loss = torch.nn.functional.mse_loss(model(x), x)
-        model.backward(loss)
-        return loss
-
-    for _ in range(1000):
-        optimizer.zero_grad()
-        train_step(model, torch.randn(4, 16)).reduce_mean()
-        optimizer.step()
-    raise SystemExit("the step limit did not stop the run")
-'''
+from tune_scripts import FAILING_SCRIPT
 
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
     """The script as module tiny_tune (the planner builds its model from tiny_tune:build), run from tmp_path."""
-    (tmp_path / "tiny_tune.py").write_text(textwrap.dedent(SCRIPT))
+    (tmp_path / "tiny_tune.py").write_text(textwrap.dedent(FAILING_SCRIPT))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path

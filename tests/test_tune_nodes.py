@@ -1,7 +1,7 @@
 """shardwise tune across nodes: the same command on two "nodes" of this machine (node 0 at 127.0.0.1, one rank
-each); node 0 plans and keeps the results, node 1 launches its share of each trial and reports it. A failure on
-node 1's rank is named from node 1's report (out of memory, a crash), every rank's peak memory is kept, and with
---run-after both nodes train with the best config."""
+each); node 0 plans and keeps the results, node 1 launches its share of each trial and reports it. Failures are
+named (node 1's rank out of memory, every rank crashing), every rank's peak memory is kept, and with --run-after
+both nodes train with the best config."""
 
 from __future__ import annotations
 
@@ -16,48 +16,8 @@ import pytest
 from shardwise.tune.measure import Measurement
 from shardwise.tune.nodes import clear_stale, merge, outcome
 from shardwise.tune.trial import TrialResult
+from tune_scripts import FAILING_SCRIPT
 
-# Under ZeRO-3 rank 1 crashes; under ZeRO-2 rank 1 runs out of memory under a cap on its address space; else it
-# trains --steps steps and each rank writes the config it trained under.
-SCRIPT = '''
-import argparse, json, os, resource
-import torch
-import shardwise as sw
-
-
-def build():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=3)
-    args = p.parse_args()
-    sw.init()
-    config = json.load(open(os.environ["SHARDWISE_CONFIG"]))
-    if config.get("zero_stage") == 3 and sw.rank() == 1:
-        raise RuntimeError("injected crash under ZeRO-3")
-    if config.get("zero_stage") == 2 and sw.rank() == 1:
-        size = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:")) * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
-        torch.ones(1 << 30, dtype=torch.uint8)
-    model = sw.DistributedModel(build())
-    optimizer = sw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @sw.step
-    def train_step(model, x):
-        loss = torch.nn.functional.mse_loss(model(x), x)
-        model.backward(loss)
-        return loss
-
-    for _ in range(args.steps):
-        optimizer.zero_grad()
-        train_step(model, torch.randn(4, 16)).reduce_mean()
-        optimizer.step()
-    with open(f"trained{sw.rank()}.json", "w") as f:
-        json.dump({"config": config, "steps": args.steps}, f)
-'''
 CLI = "import sys; from shardwise.cli import main; sys.exit(main())"
 
 
@@ -69,7 +29,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_nodes_tune_name_failures_from_either_node_and_train_with_the_best(tmp_path):
-    (tmp_path / "tiny_nodes.py").write_text(textwrap.dedent(SCRIPT))
+    (tmp_path / "tiny_nodes.py").write_text(textwrap.dedent(FAILING_SCRIPT))
     port = _free_port()
 
     def node(rank: int) -> subprocess.Popen:
