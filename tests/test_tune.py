@@ -21,13 +21,13 @@ from shardwise.runtime.step_limit import STOP_AFTER_STEPS_ENV, step_limit
 from shardwise.topology import Cluster
 from shardwise.tune import Candidate, TuneSettings, planner_accuracy, run_trial, spearman, tune
 from shardwise.tune.trial import _wait, classify
-from tune_scripts import FAILING_SCRIPT
+from tune_scripts import TRAIN_SCRIPT
 
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
     """The script as module tiny_tune (the planner builds its model from tiny_tune:build), run from tmp_path."""
-    (tmp_path / "tiny_tune.py").write_text(textwrap.dedent(FAILING_SCRIPT))
+    (tmp_path / "tiny_tune.py").write_text(textwrap.dedent(TRAIN_SCRIPT))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
@@ -47,7 +47,7 @@ def test_trials_survive_each_failure_and_keep_the_measured_best(tiny):
     configs = [{}, {"zero_stage": 3, "sharded_data_parallel_degree": 2},
                {"zero_stage": 2, "sharded_data_parallel_degree": 2}, {"sharded_data_parallel_degree": 3}]
     chosen = [_candidate(i, spec, cluster, c) for i, c in enumerate(configs, 1)]
-    settings = TuneSettings(script="tiny_tune.py", nproc=2, steps=2, warmup=1, metric="latency",
+    settings = TuneSettings(script="tiny_tune.py", script_args=("--inject-failures",), nproc=2, steps=2, warmup=1, metric="latency",
                             trial_deadline_s=300, results=tiny / "results")
     result = tune(chosen, settings)
     kinds = [row["failure"] for row in result.rows]
@@ -114,46 +114,6 @@ def test_step_limit_reads_its_variable(monkeypatch):
         step_limit()
 
 
-# Trains --steps steps and, when not stopped by a trial's step limit, says on rank 0 what config it trained under.
-TRAINS = '''
-import argparse, json, os
-import torch
-import shardwise as sw
-
-
-def build():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
-
-
-def example_inputs(batch, seq):
-    return torch.randn(batch, 16)
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--accum", type=int, default=0)  # set by the tuner through arg_mappings
-    args, _ = p.parse_known_args()  # --deepspeed and --deepspeed_config are DeepSpeed's
-    sw.init()
-    model = sw.DistributedModel(build())
-    optimizer = sw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @sw.step
-    def train_step(model, x):
-        loss = torch.nn.functional.mse_loss(model(x), x)
-        model.backward(loss)
-        return loss
-
-    for _ in range(args.steps):
-        optimizer.zero_grad()
-        train_step(model, torch.randn(4, 16)).reduce_mean()
-        optimizer.step()
-    if sw.rank() == 0:
-        with open("trained.json", "w") as f:
-            json.dump({"config": json.load(open(os.environ["SHARDWISE_CONFIG"])), "steps": args.steps,
-                       "accum": args.accum}, f)
-'''
 
 
 def test_run_autotuning_run_tunes_then_trains_with_the_best_config(tmp_path, monkeypatch, capsys):
@@ -161,7 +121,7 @@ def test_run_autotuning_run_tunes_then_trains_with_the_best_config(tmp_path, mon
     run`: the script's DeepSpeed config's autotuning block sets the tuner (1 trial of 2 steps, results in tuned/,
     the trial's microbatch count passed as --accum), then the real training runs all its steps on 4 ranks under
     best_config.json with the best trial's arguments."""
-    (tmp_path / "tiny_auto.py").write_text(textwrap.dedent(TRAINS))
+    (tmp_path / "tiny_auto.py").write_text(textwrap.dedent(TRAIN_SCRIPT))
     (tmp_path / "ds.json").write_text(json.dumps({"autotuning": {
         "enabled": True, "tuner_num_trials": 1, "end_profile_step": 2, "results_dir": "tuned",
         "arg_mappings": {"gradient_accumulation_steps": "--accum"}}}))
@@ -181,7 +141,7 @@ def test_run_autotuning_run_tunes_then_trains_with_the_best_config(tmp_path, mon
     assert (tuned / "best_cmd.txt").read_text().startswith("shardwise run --nproc-per-node 4 --config ")
     assert "regret of its pick 1.00" in out and "best (throughput): trial 1" in out
     assert 'alt="predicted and measured"' in (tuned / "tune_report.html").read_text()
-    trained = json.loads((tmp_path / "trained.json").read_text())
+    trained = json.loads((tmp_path / "trained0.json").read_text())
     assert trained["steps"] == 3 and all(trained["config"].get(k) == v for k, v in best.items())
     accum = best.get("microbatches", 1)
     assert rows[0]["script_args"][-2:] == ["--accum", str(accum)] and trained["accum"] == accum

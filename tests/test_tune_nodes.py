@@ -6,17 +6,19 @@ both nodes train with the best config."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from shardwise.tune.measure import Measurement
 from shardwise.tune.nodes import clear_stale, merge, outcome
 from shardwise.tune.trial import TrialResult
-from tune_scripts import FAILING_SCRIPT
+from tune_scripts import TRAIN_SCRIPT
 
 CLI = "import sys; from shardwise.cli import main; sys.exit(main())"
 
@@ -29,7 +31,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_nodes_tune_name_failures_from_either_node_and_train_with_the_best(tmp_path):
-    (tmp_path / "tiny_nodes.py").write_text(textwrap.dedent(FAILING_SCRIPT))
+    (tmp_path / "tiny_nodes.py").write_text(textwrap.dedent(TRAIN_SCRIPT))
     port = _free_port()
 
     def node(rank: int) -> subprocess.Popen:
@@ -37,8 +39,8 @@ def test_two_nodes_tune_name_failures_from_either_node_and_train_with_the_best(t
             [sys.executable, "-c", CLI, "tune", "--model", "tiny_nodes:build", "--input-shape", "16", "--nnodes", "2",
              "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "--trials", "4",
              "--steps", "2", "--no-bound-stop", "--trial-timeout", "240", "--run-after", "tiny_nodes.py",
-             "--steps", "3"],
-            cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.PIPE,
+             "--inject-failures", "--steps", "3"],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
 
     follower, leader = node(1), node(0)
@@ -62,7 +64,7 @@ def test_two_nodes_tune_name_failures_from_either_node_and_train_with_the_best(t
 
 def _result(failure=None, message=None, peaks=None, step=0.5):
     measurement = None if failure else Measurement(3, 2, step, 8.0, None, peaks or {})
-    return TrialResult(run_dir=__import__("pathlib").Path("trial1"), exit_code=0 if failure is None else 1,
+    return TrialResult(run_dir=Path("trial1"), exit_code=0 if failure is None else 1,
                        seconds=1.0, measurement=measurement, failure=failure, message=message)
 
 
@@ -93,7 +95,6 @@ def test_a_node_reports_its_ranks_peaks_from_its_run_directory(tmp_path):
 def test_a_node_clears_only_what_an_earlier_run_left(tmp_path):
     """A trial directory from before this node's run goes; one written since (node 0's, on a shared file system,
     its clock up to a minute behind) stays."""
-    import os
     import time
 
     since = time.time()
