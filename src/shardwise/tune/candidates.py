@@ -63,8 +63,9 @@ def micro_batch_variants(spec: ModelSpec, cluster: ClusterSpec, chosen: Evaluati
     for m in (1 << i for i in range(chosen.batch_size.bit_length())):
         if chosen.batch_size % m or m == chosen.config.get("microbatches", 1):
             continue
-        config = {k: v for k, v in chosen.config.items() if k != "microbatches"} | ({"microbatches": m} if m > 1
-                                                                                      else {})
+        config = {k: v for k, v in chosen.config.items() if k != "microbatches"}
+        if m > 1:
+            config["microbatches"] = m
         try:
             variant = evaluate(spec, cluster, config, global_batch=global_batch, seq=seq,
                                checkpointing=chosen.checkpointing)

@@ -183,7 +183,7 @@ def across_nodes(channel: NodeChannel, settings: TuneSettings) -> TrialRunner:
                           "script_args": list(script_args)})
         local = run_trial(config, settings.script, script_args, nproc=settings.nproc, steps=settings.steps,
                           warmup=settings.warmup, deadline_s=settings.trial_deadline_s, run_dir=run_dir,
-                          nnodes=place.nnodes, nodes=place.launch_flags(port))
+                          place=place, port=port)
         # another node's share may run on to the deadline after this one failed (its ranks waiting for these)
         reports = channel.reports(run_dir.name, max(settings.trial_deadline_s - local.seconds, 0.0)
                                   + REPORT_GRACE_SECONDS)
@@ -210,7 +210,7 @@ def follow(channel: NodeChannel, settings: TuneSettings, since: float) -> int:
             clear_stale(run_dir, since)
             result = run_trial(message["config"], settings.script, message["script_args"], nproc=settings.nproc,
                                steps=settings.steps, warmup=settings.warmup, deadline_s=settings.trial_deadline_s,
-                               run_dir=run_dir, nnodes=place.nnodes, nodes=place.launch_flags(message["port"]))
+                               run_dir=run_dir, place=place, port=message["port"])
             channel.report(message["run_dir"], outcome(result))
             print(f"shardwise tune: node {place.node_rank}: {message['run_dir']}: "
                   f"{'ran' if result.failure in (None, 'unmeasured') else result.failure}", flush=True)

@@ -133,13 +133,14 @@ def _wait(proc: subprocess.Popen, deadline_s: float) -> tuple[Optional[int], str
 
 
 def run_trial(config: dict[str, Any], script: str, script_args: Sequence[str], *, nproc: int, steps: int,
-              warmup: int, deadline_s: float, run_dir: Path, nnodes: int = 1, nodes: Sequence[str] = ()) -> TrialResult:
+              warmup: int, deadline_s: float, run_dir: Path, place: Optional[NodePlace] = None,
+              port: int = 0) -> TrialResult:
     """Launch `script` under `config` on `nproc` local ranks for `steps` optimizer steps; measure it or say why
-    not. The trial records every step into its run directory's metrics (metrics_interval 1). Across `nnodes`
-    nodes, `nodes` are this node's launch flags (nodes.py) and this launch is its share."""
+    not. The trial records every step into its run directory's metrics (metrics_interval 1). Across nodes, this
+    launch is the share of the node at `place`, meeting the others at `port` (nodes.py)."""
     start = time.monotonic()
     try:
-        validate(config, Cluster(nodes=nnodes, devices_per_node=nproc))
+        validate(config, Cluster(nodes=place.nnodes if place else 1, devices_per_node=nproc))
     except ConfigError as err:
         return TrialResult(run_dir, None, 0.0, failure="refused", message=str(err).splitlines()[0])
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +152,8 @@ def run_trial(config: dict[str, Any], script: str, script_args: Sequence[str], *
     partial.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
     os.replace(partial, config_path)
     env = {**os.environ, STOP_AFTER_STEPS_ENV: str(steps)}
-    command = launch_command(script, script_args, config_path, run_dir, nproc, nodes)
+    command = launch_command(script, script_args, config_path, run_dir, nproc,
+                             place.launch_flags(port) if place else ())
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     code, err, hung = _wait(proc, deadline_s)
