@@ -8,6 +8,7 @@ import pytest
 
 from shardwise.cli import main
 from shardwise.config import parse_config
+from shardwise.planner import assumptions as A
 from shardwise.planner import cluster_preset, predict_step_time, resolve_model
 from shardwise.planner.bubbles import bubble_share, busiest_rank, stage_sizes
 from shardwise.planner.collectives import collective_time, group_shape
@@ -72,6 +73,20 @@ def test_causal_flash_attention_does_half_the_products():
     causal = block_seconds(LLAMA, 4096, 4096, kinds, 1, False, H100_80GB, 989e12)
     full = block_seconds(bert, 4096, 4096, kinds, 1, False, H100_80GB, 989e12)
     assert full.attention_forward == pytest.approx(2 * causal.attention_forward)
+
+
+def test_the_triton_flash_kernel_runs_slower_than_flash_attention_2():
+    """llm-foundry's `attn_impl: triton`: the same kernel's memory, at FlashAttention-2's rate over the factor its
+    paper measured; the matmuls and streaming ops stay."""
+    kinds = numerics(parse_config({"bf16": True}), Layout())
+    triton = replace(H100_80GB, kernels=replace(H100_80GB.kernels, triton_flash_attention=True))
+    flash2 = block_seconds(LLAMA, 4096, 4096, kinds, 1, False, H100_80GB, 989e12)
+    older = block_seconds(LLAMA, 4096, 4096, kinds, 1, False, triton, 989e12)
+    slowdown = A.TRITON_FLASH_ATTENTION_SLOWDOWN
+    assert 1.3 < slowdown < 2.5
+    assert older.attention_forward == pytest.approx(slowdown * flash2.attention_forward)
+    assert older.attention_backward == pytest.approx(slowdown * flash2.attention_backward)
+    assert (older.matmul_forward, older.memory) == (flash2.matmul_forward, flash2.memory)
 
 
 def test_all_reduce_across_many_nodes_pays_tree_latency():

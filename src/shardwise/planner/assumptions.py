@@ -9,6 +9,11 @@ ACHIEVABLE_FLOPS_FRACTION = 0.5
 # read-read-write kernel measures 90-91 % of the data sheet's HBM bandwidth on Hopper parts.
 STREAMING_EFFICIENCY = 0.9
 
+# How much slower the FlashAttention repository's Triton kernel (flash_attn_triton.py) runs than FlashAttention-2:
+# Dao (2023, arXiv:2307.08691, section 4.1) measures FlashAttention-2 "1.3-2.5x faster than FlashAttention in
+# Triton" over its sequence lengths and head dimensions; the geometric mean of that range.
+TRITON_FLASH_ATTENTION_SLOWDOWN = (1.3 * 2.5) ** 0.5
+
 # Fraction of a link's nominal per-direction bandwidth a collective achieves (NCCL bus bandwidth
 # on NVLink/EFA/InfiniBand measures 75-85 % of nominal). A cluster may give its own (ClusterSpec.link_efficiency).
 LINK_EFFICIENCY = 0.8

@@ -4,7 +4,8 @@ A device with a kernel table (`KernelRates`, from microbenchmarks named in hardw
 kernel. Each matmul is a roofline: the longer of its FLOPs at the device's achievable matmul rate (the best
 large GEMM measured, MAMF) and its operands' bytes at the memory bandwidth, so narrow tensor-parallel shards
 and small microbatches lose what they lose. Attention runs a fused (flash) kernel at the rate its authors
-measured forward and backward, skipping the masked half of a causal sequence; without one (CPU dropout, or a
+measured forward and backward (a run on the older Triton kernel: slower by the factor FlashAttention-2's paper
+measured), skipping the masked half of a causal sequence; without one (CPU dropout, or a
 run that used none) its two products are matmuls and its s × s scores stream through memory. Everything else
 (norms, activations, dropout, residual adds, rotary) is memory-bound: every tensor a block keeps for backward
 is written and read once forward and read, and its gradient written and read, in backward (activations.py
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import assumptions as A
 from .activations import Numerics, block_activations
 from .hardware import DeviceSpec, Kernels
 from .spec import ModelSpec
@@ -108,6 +110,8 @@ def _attention(spec: ModelSpec, tokens: float, seq: int, dtype_bytes: int, tp: i
     if kernels.flash_attention and (kernels.flash_attention_dropout or not dropout):
         done = flops * (0.5 if spec.causal else 1.0)    # a causal kernel skips the masked blocks
         rate = device.rates.attention * peak
+        if kernels.triton_flash_attention:
+            rate /= A.TRITON_FLASH_ATTENTION_SLOWDOWN
         return done / rate, _FLASH_BACKWARD * done / rate
     sequences = tokens / seq
     per_head = _matmul(seq, d, seq, dtype_bytes, device, peak) * 2   # scores, then probabilities · V

@@ -40,6 +40,10 @@ class Kernels:
     # A fused cross-entropy kernel (flash-attn's `losses.cross_entropy`, llm-foundry's default `loss_fn`) keeps the
     # logits as the head produced them and one fp32 log-sum-exp per token, no fp32 log-softmax.
     fused_cross_entropy: bool = False
+    # The FlashAttention repository's Triton kernel (flash_attn_triton.py, Triton 2.0 before its MLIR backend), which
+    # llm-foundry's `attn_impl: triton` runs: flash attention's memory, at FlashAttention-2's rate over
+    # assumptions.TRITON_FLASH_ATTENTION_SLOWDOWN.
+    triton_flash_attention: bool = False
 
 
 @dataclass(frozen=True)
