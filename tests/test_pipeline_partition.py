@@ -56,6 +56,16 @@ def test_balance_by_parameters_or_by_compute():
     assert partition(model, 4, "compute").bounds == ((0, 2), (2, 4), (4, 6), (6, 8))
 
 
+def test_stages_the_ends_do_not_bound_share_the_blocks_evenly():
+    """A 64k-parameter embedding and head set the costliest stages whatever the rest get: among the splits that
+    keep to them, the middle stages share the blocks evenly (the first split found gave them 1 and 5)."""
+    model = _Stack(layers=8)
+    model.head = nn.Linear(16, 4096)
+    part = partition(model, 4, "parameters")
+    assert [b - a for a, b in part.bounds] == [1, 3, 3, 1]
+    assert max(part.costs) == part.costs[-1]
+
+
 def test_printed_partition_names_every_stage():
     part = partition(tiny_gpt2(layers=4), 3, split_points=[1, 3])
     assert part.describe([0, 1, 2]).splitlines() == [
@@ -138,3 +148,38 @@ def test_supported_combinations_pass(config, schedule, pipeline_round, stages_pe
     assert (parsed.pipeline_schedule, parsed.pipeline_round, parsed.stages_per_rank) == (
         schedule, pipeline_round, stages_per_rank)
     assert [key for key, _ in ineffective_settings(parsed)] == inert
+
+
+def _heavy_ends(family: str):
+    """A Hugging Face model of 12 narrow blocks whose embedding (and head, or patch projection) outweighs several."""
+    import transformers as hf
+
+    small = dict(hidden_size=16, num_hidden_layers=12, num_attention_heads=2, intermediate_size=32)
+    configs = {
+        "gpt2": lambda: hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=12, n_embd=16, n_head=2, vocab_size=4096,
+                                                         n_positions=8)),
+        "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**small, num_key_value_heads=1, vocab_size=4096)),
+        "bert": lambda: hf.BertForMaskedLM(hf.BertConfig(**small, vocab_size=4096)),
+        "vit": lambda: hf.ViTForImageClassification(hf.ViTConfig(**small, image_size=32, patch_size=16,
+                                                                  num_channels=3, num_labels=4)),
+    }
+    return configs[family]()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "vit"])
+@pytest.mark.parametrize("balance", ["parameters", "compute"])
+def test_the_planner_predicts_the_cut_the_runtime_makes(family, balance):
+    """The planner deals a spec's blocks to stages as the runtime deals a real model's: the same sizes for
+    every stage count and schedule (the embedding and head weigh differently in every family)."""
+    from shardwise.planner.bubbles import stage_sizes
+    from shardwise.planner.families import spec_from_hf
+
+    with torch.device("meta"):
+        model = _heavy_ends(family)
+    spec = spec_from_hf(model.config.to_dict(), family)
+    for pp, virtual in [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)]:
+        config = parse_config({"pipeline_parallel_degree": pp, "pipeline_balance": balance,
+                               **({"pipeline_schedule": "interleaved_1f1b", "virtual_stages": virtual}
+                                  if virtual > 1 else {})})
+        runtime = partition(model, pp * virtual, balance, virtual_stages=virtual)
+        assert stage_sizes(spec, pp * virtual, config) == [b - a for a, b in runtime.bounds], (pp, virtual)

@@ -49,8 +49,9 @@ def test_interleaving_shrinks_the_predicted_bubble():
 
 
 def test_split_points_set_the_busiest_rank():
-    assert stage_sizes(10, 4, None) == [3, 3, 3, 1]
-    assert stage_sizes(10, 4, [2, 5, 8]) == [2, 3, 3, 2]
+    assert stage_sizes(LLAMA, 4, parse_config({"pipeline_parallel_degree": 4})) == [8, 8, 8, 8]
+    assert stage_sizes(LLAMA, 4, parse_config({"pipeline_parallel_degree": 4,
+                                               "pipeline_split_points": [2, 5, 8]})) == [2, 3, 3, 24]
     uneven = parse_config({"pipeline_parallel_degree": 4, "pipeline_split_points": [2, 12, 22]})
     assert busiest_rank(LLAMA, uneven, 4).blocks == 10
     even = _time({"bf16": True, "pipeline_parallel_degree": 4, "microbatches": 8})

@@ -1,7 +1,9 @@
 """The pipeline's share of a step: which blocks the busiest rank runs, and the idle time its schedule leaves.
 
-A rank runs `virtual_stages` chunks of the model (stages r, r + pp, ...); the split is the runtime's
-(`pipeline_split_points` by hand, else ⌈blocks / stages⌉ per stage). Per round of microbatches the bubble is
+A rank runs `virtual_stages` chunks of the model (stages r, r + pp, ...); the split is the runtime's:
+`pipeline_split_points` by hand, else the cut parallel/pipeline/partition.py makes, the same min-max split
+(parallel/stage_split.py) over the blocks' costs with the embedding on the first stage and the head on the
+last, by `pipeline_balance` (parameters; or compute, where embedding lookups are free). Per round of microbatches the bubble is
 the fill and drain the schedule leaves idle, in the papers' own terms, with F, B and W one microbatch's
 forward, input-gradient and weight-gradient time on the busiest rank:
 
@@ -14,10 +16,11 @@ forward, input-gradient and weight-gradient time on the busiest rank:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..config.schema import ShardwiseConfig
+from ..parallel.stage_split import min_max_split
 from .spec import ModelSpec
 
 
@@ -29,14 +32,22 @@ class RankBlocks:
     holds_head: bool
 
 
-def stage_sizes(layers: int, stages: int, split_points: list[int] | None) -> list[int]:
-    """Blocks of every pipeline stage: at the configured split points, else ⌈layers / stages⌉ each, the
-    last stages taking what is left."""
-    if split_points:
-        bounds = [0, *split_points, layers]
+def stage_sizes(spec: ModelSpec, stages: int, config: ShardwiseConfig) -> list[int]:
+    """Blocks of every pipeline stage as the runtime cuts them: at the configured split points, else balanced."""
+    points = config.pipeline_split_points
+    if points and len(points) == stages - 1:
+        bounds = [0, *points, spec.layers]
         return [b - a for a, b in zip(bounds, bounds[1:])]
-    per = math.ceil(layers / stages)
-    return [max(0, min(per, layers - i * per)) for i in range(stages)]
+    # By compute, token and position lookups are free; a ViT's patch projection and position table are not.
+    lookups = config.pipeline_balance == "compute" and not spec.input_elements_per_token
+    first = 0 if lookups else spec.embedding_parameters
+    last = spec.head_parameters + (spec.vocab * spec.hidden if spec.tied_head else 0)
+    return list(_balanced(spec.layers, spec.layer_parameters, stages, first, last))
+
+
+@lru_cache(maxsize=1024)
+def _balanced(layers: int, block: int, stages: int, first: int, last: int) -> tuple[int, ...]:
+    return tuple(min_max_split([block] * layers, stages, first, last, [None] * layers))
 
 
 def busiest_rank(spec: ModelSpec, config: ShardwiseConfig, pp: int) -> RankBlocks:
@@ -44,9 +55,7 @@ def busiest_rank(spec: ModelSpec, config: ShardwiseConfig, pp: int) -> RankBlock
     if pp == 1:
         return RankBlocks(spec.layers, True)
     v = config.stages_per_rank
-    sizes = stage_sizes(spec.layers, pp * v, config.pipeline_split_points)
-    if len(sizes) != pp * v:     # split points given for another stage count: validation refuses it first
-        sizes = stage_sizes(spec.layers, pp * v, None)
+    sizes = stage_sizes(spec, pp * v, config)
     per_rank = [sum(sizes[r::pp]) for r in range(pp)]
     most = max(per_rank)
     return RankBlocks(most, per_rank[(pp * v - 1) % pp] == most)

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ...torch_internals import FakeTensorMode, storage_id, tree_flatten, tree_map, view_base
-from .partition import min_max_split
+from ..stage_split import min_max_split
 from .placement import placed_on
 from ..stand_in import meta_copy
 

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from ...errors import ConfigError, Problem
+from ..stage_split import min_max_split
 from .blocks import Blocks
 from .placement import block_placements
 
@@ -104,36 +105,6 @@ def module_cost(module: nn.Module, balance: str) -> int:
         return _count(module)
     return sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
                for p in m.parameters(recurse=False))
-
-
-def min_max_split(costs: list[int], stages: int, first: int, last: int, fixed: Sequence[Optional[int]]) -> list[int]:
-    """Stage sizes (in blocks) minimising the costliest stage; `first`/`last` add to the end stages; a block
-    with a `fixed` stage stays on it (placement.py has checked that every stage can still get a block)."""
-    n = len(costs)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[s][i]: smallest max cost when stages s.. cover blocks i..n-1
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[stages][n] = 0
-    for s in range(stages - 1, -1, -1):
-        extra = (first if s == 0 else 0) + (last if s == stages - 1 else 0)
-        for i in range(n - (stages - s) + 1):
-            for j in range(i + 1, n - (stages - s - 1) + 1):
-                if fixed[j - 1] not in (None, s):
-                    break
-                if s == stages - 1 and j < n:
-                    continue
-                value = max(prefix[j] - prefix[i] + extra, best[s + 1][j])
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    sizes, i = [], 0
-    for s in range(stages):
-        sizes.append(cut[s][i] - i)
-        i = cut[s][i]
-    return sizes
 
 
 def partition(model: nn.Module, stages: int, balance: str = "parameters",
