@@ -16,7 +16,7 @@ from shardwise.config import parse_config
 from shardwise.planner import (Kernels, PlanError, block_activations, cluster_preset, model_state_bytes, plan, predict_memory,
                                rank_activations, resolve_model)
 from shardwise.planner.activations import Numerics, distinct_strategies, edge_activations, logits_bytes
-from shardwise.planner.memory import in_flight_microbatches
+from shardwise.planner.memory import in_flight_microbatches, pipeline_stages
 from shardwise.planner.wrapping import (comm_buffer_bytes, gathered_bytes, optimizer_share, reduce_buckets,
                                         root_unit_parameters)
 from shardwise.config.layout import layout_for
@@ -219,6 +219,20 @@ def test_in_flight_microbatches_follow_the_runtimes_rounds(settings, in_flight):
     """As parallel/pipeline/schedule.py runs rounds of `pipeline_round`."""
     config = parse_config({"pipeline_parallel_degree": 4, **settings})
     assert in_flight_microbatches(config, Layout(pp=4, tp=1)) == in_flight
+
+
+def test_a_middle_stage_the_cut_fills_holds_its_blocks_in_flight():
+    """GPT-2 small on 4 stages: its embedding and tied head leave the end stages one block each and the middle
+    ones five (the runtime's cut). Under 1F1B rank 1 holds 3 microbatches of 5 blocks, more than rank 0's 4 of
+    1 with the embedding: the peak is rank 1's, as the cut and schedule leave it."""
+    spec = resolve_model("gpt2")
+    config = parse_config({"pipeline_parallel_degree": 4, "microbatches": 8})
+    stages = pipeline_stages(spec, config, Layout(pp=4))
+    assert stages == ((1, 4), (5, 3), (5, 2), (1, 1))
+    block = block_activations(spec, 512, Numerics(2)).per_rank(1) * 2 * 512
+    assert _acts(spec, pp=4, in_flight=4, stages=stages).device == pytest.approx(15 * block)
+    gpipe = parse_config({"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline_schedule": "gpipe"})
+    assert pipeline_stages(spec, gpipe, Layout(pp=4)) == ((1, 4), (5, 4), (5, 4), (1, 4))
 
 
 def test_pipeline_stage_zero_holds_the_in_flight_microbatches():

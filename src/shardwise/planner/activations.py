@@ -268,51 +268,60 @@ class ActivationMemory:
 def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: Numerics, tp: int, pp: int,
                      in_flight: int, checkpointing: str, offload: bool = False, loading_horizon: int = 4,
                      kernels: Kernels = Kernels(), sequence_parallel: bool = False,
-                     context_parallel: int = 1) -> ActivationMemory:
+                     context_parallel: int = 1, stages: tuple[tuple[int, int], ...] = ()) -> ActivationMemory:
     """Peak activation bytes on the busiest pipeline stage.
 
     Context parallelism of degree `context_parallel` leaves a rank 1/n of each sequence's tokens: everything
     per token divides by n, the attention of each still reaching the whole sequence (`kernels`: what it keeps,
     context.py's `saved_kernels`).
 
-    Stage 0 keeps `in_flight` microbatches (1F1B, capped by active_microbatches); the
-    last stage keeps one. Checkpointing keeps each region's input (with sequence
-    parallelism this rank's slice of it) and recomputes one region of one microbatch
-    at a time; offload moves the kept inputs to the host except the
-    `loading_horizon` regions prefetched for backward. The first recompute starts
-    once backward has passed the head, which frees the logits: so the peak is the
-    larger of the head's tensors and one region's, not their sum. Autocast's weight
-    copies count once (only pipelines overlap microbatches, and they do not
-    autocast), for the blocks only while their region is recomputed.
+    `stages` gives every pipeline rank's (blocks, microbatches in flight) as the runtime's cut and schedule
+    leave them (memory.py); without it, the first stage holds ⌈blocks / pp⌉ blocks and `in_flight`
+    microbatches (1F1B, capped by active_microbatches) and the last one. Checkpointing keeps each region's input
+    (with sequence parallelism this rank's slice of it) and recomputes one region of one microbatch at a time;
+    offload moves the kept inputs to the host except the `loading_horizon` regions prefetched for backward.
+    The first recompute starts once backward has passed the head, which frees the logits: so the peak is the
+    larger of the head's tensors and one region's, not their sum. Autocast's weight copies count once (only
+    pipelines overlap microbatches, and they do not autocast), for the blocks only while their region is
+    recomputed.
     """
     tokens = micro_batch * seq / context_parallel
     if spec.graph_stages(pp):
         return _graph_stage_activations(spec, tokens, numerics, pp, in_flight, checkpointing)
-    block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel) * tokens
     layers = spec.stage_layers(pp)
-    group = region_blocks(checkpointing, layers)
-    stored, host, recompute = float(layers * block), 0.0, 0.0
-    copied_layers = layers
-    if group:
+    copied_layers = region_blocks(checkpointing, layers) or layers     # also refuses an unknown strategy
+    block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel) * tokens
+    kept = 0.0  # per block, what a policy keeps besides its region's input (never offloaded)
+    if keeps_matmuls(checkpointing):
+        kept = kept_matmul_bytes(spec, seq, numerics, kernels, tp, sequence_parallel, _policy(checkpointing)) * tokens
+    region_input = spec.hidden * numerics.residual_bytes * tokens / (tp if sequence_parallel else 1)
+
+    def held(layers: int) -> tuple[float, float, float]:
+        """(stored on the device, on the host, one region's recompute) for one microbatch of `layers` blocks."""
+        group = region_blocks(checkpointing, layers)
+        if not group:
+            return float(layers * block), 0.0, 0.0
         regions = math.ceil(layers / group)
-        region_input = spec.hidden * numerics.residual_bytes * tokens / (tp if sequence_parallel else 1)
-        kept = 0.0  # per block, what the policy keeps besides the region's input (never offloaded)
-        if keeps_matmuls(checkpointing):
-            kept = kept_matmul_bytes(spec, seq, numerics, kernels, tp, sequence_parallel,
-                                     _policy(checkpointing)) * tokens
-        copied_layers = group
-        stored, recompute = regions * region_input, group * (block - kept)
+        stored, host, recompute = regions * region_input, 0.0, group * (block - kept)
         if offload:
             stored, host, recompute = 0.0, stored, recompute + min(regions, loading_horizon) * region_input
-        stored += layers * kept
+        return stored + layers * kept, host, recompute
+
     edges = spec.stage_parameters(pp) - layers * spec.layer_parameters
     copies = numerics.weight_copies * (edges + copied_layers * spec.layer_parameters) / tp
     first, last = edge_activations(spec, numerics, kernels)
     first, last = first * tokens, (last + logits_bytes(spec, numerics, kernels) / tp) * tokens
     if pp == 1:
+        stored, host, recompute = held(layers)
         return ActivationMemory(stored + first + max(last, recompute) + copies, host, max(0.0, last - recompute))
-    busiest = max(in_flight * (stored + first) + recompute, stored + max(last, recompute)) + copies
-    return ActivationMemory(busiest, in_flight * host)
+    stages = stages or ((layers, in_flight), *[(0, 0)] * (pp - 2), (layers, 1))
+    busiest, hosted = 0.0, 0.0
+    for rank, (blocks, microbatches) in enumerate(stages):
+        stored, host, recompute = held(blocks)
+        head = last if rank == pp - 1 else 0.0
+        busiest = max(busiest, microbatches * (stored + (first if rank == 0 else 0.0)) + max(head, recompute))
+        hosted = max(hosted, microbatches * host)
+    return ActivationMemory(busiest + copies, hosted)
 
 
 def _graph_stage_activations(spec: ModelSpec, tokens: int, numerics: Numerics, pp: int, in_flight: int,

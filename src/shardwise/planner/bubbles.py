@@ -50,15 +50,20 @@ def _balanced(layers: int, block: int, stages: int, first: int, last: int) -> tu
     return tuple(min_max_split([block] * layers, stages, first, last, [None] * layers))
 
 
+def rank_blocks(spec: ModelSpec, config: ShardwiseConfig, pp: int) -> list[int]:
+    """Blocks each pipeline rank runs over its chunks (stages r, r + pp, ...)."""
+    v = config.stages_per_rank
+    sizes = stage_sizes(spec, pp * v, config)
+    return [sum(sizes[r::pp]) for r in range(pp)]
+
+
 def busiest_rank(spec: ModelSpec, config: ShardwiseConfig, pp: int) -> RankBlocks:
     """The rank whose chunks hold the most blocks (ties: the one holding the head)."""
     if pp == 1:
         return RankBlocks(spec.layers, True)
-    v = config.stages_per_rank
-    sizes = stage_sizes(spec, pp * v, config)
-    per_rank = [sum(sizes[r::pp]) for r in range(pp)]
+    per_rank = rank_blocks(spec, config, pp)
     most = max(per_rank)
-    return RankBlocks(most, per_rank[(pp * v - 1) % pp] == most)
+    return RankBlocks(most, per_rank[(pp * config.stages_per_rank - 1) % pp] == most)
 
 
 def bubble_share(schedule: str, pp: int, virtual: int, forward: float, input_grad: float,

@@ -28,6 +28,7 @@ from ..topology import Layout
 from . import assumptions as A
 from . import context, experts
 from .activations import rank_activations
+from .bubbles import rank_blocks
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
 from .spec import ModelSpec
@@ -114,6 +115,18 @@ def in_flight_microbatches(config: ShardwiseConfig, layout: Layout) -> int:
     return pipeline_round if config.pipeline_schedule == "gpipe" else min(layout.pp, pipeline_round)
 
 
+def pipeline_stages(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> tuple[tuple[int, int], ...]:
+    """Every pipeline rank's (blocks, microbatches in flight) as the runtime's cut and schedule leave them: under
+    1F1B rank r holds pp − r of a round (the interleaved schedules counted alike), under GPipe or a round below
+    pp the whole round. () without a pipeline of blocks (rank_activations then counts the first stage)."""
+    if not Decisions(config, layout).pipelining or spec.graph_stages(layout.pp):
+        return ()
+    pp, whole = layout.pp, in_flight_microbatches(config, layout)
+    as_gpipe = config.pipeline_schedule == "gpipe" or config.pipeline_round < pp
+    return tuple((blocks, whole if as_gpipe else max(1, pp - rank))
+                 for rank, blocks in enumerate(rank_blocks(spec, config, pp)))
+
+
 def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
                    checkpointing: str = "none", device: Optional[DeviceSpec] = None) -> MemoryBreakdown:
     """Peak bytes per rank by category, for the busiest pipeline stage.
@@ -142,7 +155,8 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
                             checkpointing=checkpointing, offload=config.offload_activations and moves_to_host(device),
                             loading_horizon=config.activation_loading_horizon,
                             kernels=context.saved_kernels(mode, kernels) if decisions.context_parallel else kernels,
-                            sequence_parallel=config.sequence_parallel, context_parallel=cp)
+                            sequence_parallel=config.sequence_parallel, context_parallel=cp,
+                            stages=pipeline_stages(spec, config, layout))
     routed = experts.dispatch_activations(spec, config, layout, micro_batch, seq, checkpointing,
                                           in_flight_microbatches(config, layout), compute_bytes(config))
     freed = acts.device + routed
