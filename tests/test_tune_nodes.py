@@ -131,6 +131,24 @@ def test_the_nodes_come_from_the_flags_or_a_hostfile_as_run_reads_them(tmp_path,
                                                "--master-addr (the address of node 0) or --hostfile")
 
 
+def test_the_nodes_come_from_a_slurm_job_as_run_reads_them(tmp_path, capsys, monkeypatch):
+    """`srun shardwise tune ...` on every node: the shape from SLURM's variables, named on the console; flags win."""
+    from shardwise.cli import build_parser
+    from shardwise.cli.tune import _launch_shape
+    from shardwise.tune.trial import NodePlace
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "4",
+                        "SLURM_JOB_NODELIST": "gpu[03-04]"}.items():
+        monkeypatch.setenv(name, value)
+    parse = build_parser().parse_args
+    assert _launch_shape(parse(["tune", "--model", "gpt2", str(script)])) == \
+        (4, NodePlace(nnodes=2, node_rank=1, master_addr="gpu03", master_port=29500))
+    assert "shardwise tune: launch environment: SLURM" in capsys.readouterr().out
+    assert _launch_shape(parse(["tune", "--model", "gpt2", "--nproc-per-node", "2", str(script)]))[0] == 2
+
+
 def test_a_node_without_node_0_stops_in_one_line(capfd):
     from shardwise.tune.nodes import NodeChannel
     from shardwise.tune.trial import NodePlace

@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "directory per trial, best_config.json, best_cmd.txt, summary.json and tune_report.html, and "
                     "prints predicted vs measured per trial with Spearman's rho and the regret of the planner's "
                     "pick. Across nodes, run the same command on every node (--nnodes, --node-rank, --master-addr, or "
-                    "--hostfile). Exit 2 on bad input, 1 when no trial was measured.")
+                    "--hostfile; in a SLURM job or PyTorchJob the flags not given come from its variables). Exit 2 on bad input, 1 when no trial was measured.")
     p.add_argument("--model", required=True, metavar="MODEL",
                    help=f"the model the script trains, as `shardwise plan --model` takes it (a preset such as "
                         f"{', '.join(sorted(MODEL_PRESETS)[:3])}, FAMILY[:key=value,...], a config.json path or "
@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-shape", type=_shape, metavar="D[,D...]",
                    help="with module:function: one sample's shape, as `shardwise plan --input-shape` takes it")
     p.add_argument("--nproc-per-node", type=positive(int), default=None, metavar="N",
-                   help="ranks per node in each trial (default 1; with --hostfile, its slots)")
+                   help="ranks per node in each trial (default 1; with --hostfile, its slots; in a SLURM job its GPUs "
+                        "per node)")
     nodes = p.add_argument_group(
         "across nodes", "Run the same command on every node, as `shardwise run` is: node 0 plans, announces each "
                         "trial and keeps the results, every node launches its share (docs/tune.md)")
@@ -182,17 +183,18 @@ def _cluster_values(args: argparse.Namespace) -> dict:
 
 
 def _launch_shape(args: argparse.Namespace) -> tuple[int, NodePlace | None]:
-    """Ranks per node and, across nodes, this node's place, from the flags or a hostfile (as `shardwise run` reads
-    them); the launcher's LaunchError names what does not agree."""
-    across = args.hostfile or any(v is not None for v in (args.nnodes, args.node_rank, args.master_addr))
-    if not across:
-        return args.nproc_per_node or 1, None
-    from ..launcher.spec import resolve  # the launcher (and torch) only when tuning across nodes
+    """Ranks per node and, across nodes, this node's place, from the flags, a hostfile or a SLURM or PyTorchJob
+    environment (as `shardwise run` reads them); the launcher's LaunchError names what does not agree."""
+    from ..launcher.from_args import scheduler_shape
+    from ..launcher.spec import resolve
 
-    spec = resolve(args.script, args.script_args, nproc_per_node=args.nproc_per_node or (None if args.hostfile
-                                                                                          else 1),
-                   nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                   master_port=args.master_port, hostfile=args.hostfile)
+    shape = scheduler_shape(args)
+    across = args.hostfile or any(shape[name] is not None for name in ("nnodes", "node_rank", "master_addr"))
+    if not across:
+        return shape["nproc_per_node"] or 1, None
+    spec = resolve(args.script, args.script_args,
+                   **{**shape, "nproc_per_node": shape["nproc_per_node"] or (None if args.hostfile else 1)},
+                   hostfile=args.hostfile)
     if spec.nnodes == 1:
         return spec.nproc_per_node, None
     return spec.nproc_per_node, NodePlace(spec.nnodes, spec.node_rank, spec.master_addr, spec.master_port)
