@@ -130,6 +130,36 @@ def test_alternate_matmul_keeps_every_other_product_of_each_region_call():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+class _FirstMatmulOnly:
+    """A user's counting policy: keep a region's first aten.mm, recompute the rest."""
+
+    def __init__(self) -> None:
+        self.seen = {False: 0, True: 0}
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if op != aten.mm.default:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        self.seen[ctx.is_recompute] += 1
+        return CheckpointPolicy.MUST_SAVE if self.seen[ctx.is_recompute] == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_a_policy_class_counts_afresh_in_every_region_call():
+    """A class is a policy whose instances count: each region call, forward and recomputation, gets a new one,
+    so every region of every step keeps its own first product (two of three run again, in all three regions)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(MatmulBlock() for _ in range(3)))
+    model = nn.Sequential(*(MatmulBlock() for _ in range(3)))
+    model.load_state_dict(plain.state_dict())
+    for block in model:
+        sw.set_activation_checkpointing(block, policy=_FirstMatmulOnly)
+    for _ in range(2):
+        plain_ops, plain_grads = _backward_ops(plain)
+        ops, grads = _backward_ops(model)
+        assert (ops - plain_ops)[aten.mm.default] == 2 * 3
+        for got, want in zip(grads, plain_grads):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("policy, message", [
     ("matmuls", "checkpointing policy 'matmuls' is not one of ['alternate_matmul', 'matmul']"),
     ([aten.mm], "name an overload, e.g. aten.mm.default"),

@@ -16,7 +16,9 @@ A policy is one of
   collectives' outputs and every other `aten.mm` of the region in forward order (the 1st, 3rd, ...);
 - a list of `OpOverload`s (`torch.ops.aten.mm.default`): keep those;
 - a callable `policy_fn(ctx, op, *args, **kwargs)` returning a
-  `torch.utils.checkpoint.CheckpointPolicy` (or a bool: True saves), as torch takes it.
+  `torch.utils.checkpoint.CheckpointPolicy` (or a bool: True saves), as torch takes it;
+- a class whose instances are such callables: a policy that counts ops (as `AlternateMatmul` does) gets a
+  fresh instance for every region call, so each forward and its recomputation choose alike.
 
 What a policy keeps stays on the device: activation offloading moves only the
 regions' inputs.
@@ -99,7 +101,7 @@ def with_policy(context_fn: ContextFn, policy: Policy) -> ContextFn:
 
 def _both(context_fn: ContextFn, policy: Policy) -> tuple[ContextManager, ContextManager]:
     forward, recompute = context_fn()
-    keep, replay = create_selective_checkpoint_contexts(policy() if policy is AlternateMatmul else policy)
+    keep, replay = create_selective_checkpoint_contexts(policy() if isinstance(policy, type) else policy)
     return _entered(forward, keep), _entered(recompute, replay)
 
 
