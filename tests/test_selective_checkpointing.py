@@ -160,6 +160,27 @@ def test_a_policy_class_counts_afresh_in_every_region_call():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("policy", [None, "matmul", "alternate_matmul"])
+def test_a_hugging_face_model_outside_distributed_model_checkpoints_without_its_cache(policy):
+    """A plain Llama builds a key/value cache when training (use_cache defaults on) and hands it to its blocks; a
+    checkpointed block's replay must not append to it again. Its blocks run without it while training, as in Hugging
+    Face's own gradient checkpointing: loss and gradients exactly those of the model without checkpointing."""
+    from tiny_models import tiny_llama
+
+    torch.manual_seed(0)
+    plain, model = tiny_llama(layers=2), tiny_llama(layers=2)
+    model.load_state_dict(plain.state_dict())
+    for block in model.model.layers:
+        sw.set_activation_checkpointing(block, policy=policy)
+    tokens = torch.randint(0, 128, (2, 8))
+    losses = [m(input_ids=tokens, labels=tokens).loss for m in (model, plain)]
+    for loss in losses:
+        loss.backward()
+    assert losses[0].item() == losses[1].item()
+    for got, want in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("policy, message", [
     ("matmuls", "checkpointing policy 'matmuls' is not one of ['alternate_matmul', 'matmul']"),
     ([aten.mm], "name an overload, e.g. aten.mm.default"),

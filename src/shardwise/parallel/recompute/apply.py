@@ -19,7 +19,9 @@ which takes tuples and keyword arguments as they are: SMP's
 tuple, is accepted and changes nothing. A module is checkpointed by replacing
 the instance's `forward`, so it works after the model is sharded: FSDP's hooks
 sit on `__call__`, outside the recomputed region, and have unsharded the
-parameters again by the time backward recomputes. With `offload_activations` the
+parameters again by the time backward recomputes. A checkpointed module called with a key/value cache while
+training runs without it, as Hugging Face's own checkpointing does: its replay would write the cache again.
+With `offload_activations` the
 inputs a region keeps go to host memory until backward needs them
 (offload.py).
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -128,11 +131,27 @@ def _checkpoint_module(module: nn.Module, preserve_rng_state: bool, policy: Poli
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
+        if torch.is_grad_enabled():
+            kwargs = _without_cache(kwargs)
         return checkpointed(original, *args, preserve_rng_state=preserve_rng_state, policy=policy, offload=offload,
                             **kwargs)
 
     module.forward = forward
     setattr(module, _MARK, (1, preserve_rng_state, policy, offload))
+
+
+# A block's key/value cache, by the names Hugging Face layers take it.
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
+def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A region recomputed in backward must not write a key/value cache again (the replay would append to it and
+    attend over the keys twice): a training call runs without one, as Hugging Face's own gradient checkpointing
+    runs its layers. Nothing in training reads the cache."""
+    if not any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS) and not kwargs.get("use_cache"):
+        return kwargs
+    return {**kwargs, **{name: None for name in _CACHE_ARGUMENTS if name in kwargs},
+            **({"use_cache": False} if "use_cache" in kwargs else {})}
 
 
 def _checkpoint_groups(sequential: nn.Sequential, size: Optional[int], preserve_rng_state: bool,
