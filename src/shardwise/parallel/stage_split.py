@@ -1,4 +1,5 @@
-"""How a run of blocks is dealt to pipeline stages: contiguous, the costliest stage as cheap as it can be.
+"""How a run of blocks is dealt to pipeline stages (contiguous, the costliest stage as cheap as it can be) and the
+stages to pipeline ranks.
 
 Pure Python on costs alone, so the planner predicts the cut the runtime makes (parallel/pipeline/partition.py
 and graph_cut.py call it on a real model's parameters; planner/bubbles.py on a model spec's).
@@ -50,3 +51,11 @@ def _best_split(costs: list[int], stages: int, first: int, last: int, fixed: Seq
         sizes.append(cut[s][i] - i)
         i = cut[s][i]
     return best[0][0], sizes
+
+
+def stage_ranks(schedule: str, pp: int, stages: int) -> list[int]:
+    """The pp rank of every stage: looped (stage s on rank s % pp), or V-shaped for zbv_zero_bubble (rank r runs
+    stages r and 2·pp − 1 − r, so the first and the last share rank 0)."""
+    if schedule == "zbv_zero_bubble":
+        return [s if s < pp else 2 * pp - 1 - s for s in range(stages)]
+    return [s % pp for s in range(stages)]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..config.schema import ShardwiseConfig
-from ..parallel.stage_split import min_max_split
+from ..parallel.stage_split import min_max_split, stage_ranks
 from .spec import ModelSpec
 
 
@@ -51,10 +51,13 @@ def _balanced(layers: int, block: int, stages: int, first: int, last: int) -> tu
 
 
 def rank_blocks(spec: ModelSpec, config: ShardwiseConfig, pp: int) -> list[int]:
-    """Blocks each pipeline rank runs over its chunks (stages r, r + pp, ...)."""
-    v = config.stages_per_rank
-    sizes = stage_sizes(spec, pp * v, config)
-    return [sum(sizes[r::pp]) for r in range(pp)]
+    """Blocks each pipeline rank runs over its chunks, the stages placed as the schedule places them (looped, or
+    V-shaped)."""
+    stages = pp * config.stages_per_rank
+    per_rank = [0] * pp
+    for rank, blocks in zip(stage_ranks(config.pipeline_schedule, pp, stages), stage_sizes(spec, stages, config)):
+        per_rank[rank] += blocks
+    return per_rank
 
 
 def busiest_rank(spec: ModelSpec, config: ShardwiseConfig, pp: int) -> RankBlocks:
@@ -63,7 +66,8 @@ def busiest_rank(spec: ModelSpec, config: ShardwiseConfig, pp: int) -> RankBlock
         return RankBlocks(spec.layers, True)
     per_rank = rank_blocks(spec, config, pp)
     most = max(per_rank)
-    return RankBlocks(most, per_rank[(pp * config.stages_per_rank - 1) % pp] == most)
+    last = stage_ranks(config.pipeline_schedule, pp, pp * config.stages_per_rank)[-1]
+    return RankBlocks(most, per_rank[last] == most)
 
 
 def bubble_share(schedule: str, pp: int, virtual: int, forward: float, input_grad: float,

@@ -16,11 +16,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ..stage_split import stage_ranks
 from .partition import Partition, find_blocks, has_block_list, partition
 from .settings import PipelineSettings
 
 _EXPORTS = {"apply_pipeline": "apply", "GraphPipeline": "graph", "PipelineParallel": "runner",
-            "SCHEDULES": "schedule", "stage_ranks": "schedule"}
+            "SCHEDULES": "schedule"}
 
 __all__ = ["GraphPipeline", "Partition", "PipelineParallel", "PipelineSettings", "SCHEDULES", "apply_pipeline",
            "find_blocks", "has_block_list", "partition", "stage_ranks"]

@@ -19,12 +19,13 @@ from torch import nn
 from ..experts import load_balancing_of, use_global_load_balancing
 from ..mesh import ParallelMesh
 from ..materialize import place
+from ..stage_split import stage_ranks
 from ..strategy import OptimizerBinding
 from ..tensor import PlanLike, TensorParallelPlan, plan_for
 from ..tensor.plan import match
 from .partition import partition
 from .runner import PipelineParallel
-from .schedule import SPLIT_BACKWARD, stage_ranks
+from .schedule import SPLIT_BACKWARD
 from .settings import PipelineSettings
 from .stage import Elsewhere, StageModule, prune, stage_view
 from .ties import TiedWeights, tied_groups

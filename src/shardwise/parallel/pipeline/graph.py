@@ -31,6 +31,7 @@ from ..mesh import ParallelMesh
 from ...torch_internals import FakeTensorMode, tensor_tables, tree_map_only
 from ..local import local_tensor
 from ..materialize import mesh_device, place
+from ..stage_split import stage_ranks
 from ..strategy import OptimizerUpdate, Pieces, Strategy
 from ..tensor import PlanLike
 from ..recompute.apply import lift_checkpointing, restore_checkpointing
@@ -39,7 +40,7 @@ from .graph_cut import captured, cut_graph
 from .graph_stage import GraphStage, Wiring, join_stages
 from .graph_tensor import GraphTensorParallel
 from .runner import PipelineParallel, StageModules
-from .schedule import SPLIT_BACKWARD, stage_ranks
+from .schedule import SPLIT_BACKWARD
 from .settings import PipelineSettings
 from .ties import TiedWeights
 

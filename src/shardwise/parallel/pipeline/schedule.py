@@ -59,13 +59,6 @@ class EvalSafeStage(PipelineStage):
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
 
-def stage_ranks(name: str, pp: int, stages: int) -> list[int]:
-    """The pp rank of every stage."""
-    if name == "zbv_zero_bubble":
-        return [s if s < pp else 2 * pp - 1 - s for s in range(stages)]
-    return [s % pp for s in range(stages)]
-
-
 def build_schedule(name: str, stages: list[PipelineStage], microbatches: int,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Schedule:
     """Gradients are not rescaled by the schedule: the loss arrives already divided by the microbatches."""
