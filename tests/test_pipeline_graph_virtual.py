@@ -14,7 +14,7 @@ import pytest
 
 import shardwise as sw
 from shardwise.parallel.pipeline.graph_cut import cut_graph
-from shardwise.parallel.pipeline.schedule import stage_ranks
+from shardwise.parallel.stage_split import stage_ranks
 from shardwise.testing import run_distributed
 from test_pipeline import PP2, check, train_all
 from tiny_models import build, dataset
