@@ -1,8 +1,7 @@
 """What each pipeline rank holds at its peak, measured, against what the planner counts.
 
 A tiny Llama of 8 blocks runs one training step on 4 pipeline ranks under each schedule, 8 microbatches. On every
-rank a saved-tensors hook counts the bytes autograd keeps inside the blocks (each storage once, until backward
-frees it) and records the peak; one block's bytes for one microbatch, measured the same way in one process, turn
+rank a saved-tensors hook counts the bytes autograd keeps inside the blocks (saved_tensors.py) at their peak; one block's bytes for one microbatch, measured the same way in one process, turn
 that into block-microbatches held. The planner's count for the same cut and schedule (`pipeline_stages`: the
 runtime's cut, pp − r microbatches under 1F1B, interleaved 1F1B's warm-up) must be what was measured, rank by
 rank; for the zero-bubble schedules, which it counts as their whole round, a bound on it.
@@ -11,7 +10,6 @@ rank; for the zero-bubble schedules, which it counts as their whole round, a bou
 from __future__ import annotations
 
 import pytest
-import torch
 
 import shardwise as sw
 from shardwise.config import parse_config
@@ -19,67 +17,17 @@ from shardwise.planner.families import spec_from_hf
 from shardwise.planner.memory import pipeline_stages
 from shardwise.testing import run_distributed
 from shardwise.topology import Layout
-from tiny_models import blocks, build, dataset, seed_step
+from saved_tensors import peak_saved_in_blocks
+from tiny_models import build, dataset, seed_step
 
 LAYERS, PP, MICROBATCHES, ROWS = 8, 4, 8, 8
-
-
-class _HeldInBlocks:
-    """Bytes autograd keeps from inside the blocks, each storage counted once while anything holds it; the peak."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.inside, self.live, self.held, self.peak = 0, {}, 0, 0
-        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}   # saved, but not activations
-        for block in blocks(model):
-            block.register_forward_pre_hook(lambda *_: self._enter(1))
-            block.register_forward_hook(lambda *_: self._enter(-1))
-
-    def _enter(self, step: int) -> None:
-        self.inside += step
-
-    def pack(self, tensor: torch.Tensor):
-        key = tensor.untyped_storage().data_ptr()
-        if not self.inside or key in self.weights:
-            return tensor
-        nbytes, count = self.live.get(key, (tensor.untyped_storage().nbytes(), 0))
-        if not count:
-            self.held += nbytes
-            self.peak = max(self.peak, self.held)
-        self.live[key] = (nbytes, count + 1)
-        return _Kept(self, key, tensor)
-
-    def unpack(self, packed):
-        return packed.tensor if isinstance(packed, _Kept) else packed
-
-    def release(self, key: int) -> None:
-        nbytes, count = self.live[key]
-        if count == 1:
-            del self.live[key]
-            self.held -= nbytes
-        else:
-            self.live[key] = (nbytes, count - 1)
-
-
-class _Kept:
-    def __init__(self, counter: _HeldInBlocks, key: int, tensor: torch.Tensor) -> None:
-        self.counter, self.key, self.tensor = counter, key, tensor
-
-    def __del__(self) -> None:
-        self.counter.release(self.key)
-
-
-def _peak_in_blocks(model: torch.nn.Module, run) -> int:
-    counter = _HeldInBlocks(model)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        run()
-    return counter.peak
 
 
 def _one_block_microbatch() -> int:
     """Bytes one block keeps for one microbatch (ROWS / MICROBATCHES rows), in one plain process."""
     model = build("llama", layers=1)
     inputs, _ = dataset("llama", ROWS // MICROBATCHES)[:]
-    return _peak_in_blocks(model, lambda: model(input_ids=inputs).logits.sum().backward())
+    return peak_saved_in_blocks(model, lambda: model(input_ids=inputs).logits.sum().backward())
 
 
 def _rank_peak(config: dict) -> tuple[int, int]:
@@ -88,7 +36,7 @@ def _rank_peak(config: dict) -> tuple[int, int]:
     step = seed_step("llama")
     inputs, targets = next(iter(sw.data_loader(dataset("llama", ROWS), batch_size=ROWS, shuffle=False)))
     step(model, inputs, targets)   # the first step also infers the stages' shapes: measured is the second
-    peak = _peak_in_blocks(model.get_module(), lambda: step(model, inputs, targets))
+    peak = peak_saved_in_blocks(model.get_module(), lambda: step(model, inputs, targets))
     return sw.pp_rank(), peak
 
 
