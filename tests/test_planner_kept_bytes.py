@@ -1,9 +1,11 @@
 """What the planner says a transformer block keeps for backward, against what autograd keeps, measured.
 
-A saved-tensors hook (saved_tensors.py) counts the bytes Hugging Face's GPT-2 and Llama blocks keep during one
-forward, in fp32 and in bf16 (parameters in bf16, no autocast: FSDP2's mixed precision, or pure bf16), and
-`block_activations` must give them within 2 %: the count is per tensor PyTorch saves, so a dtype path the planner
-did not know (an eager RMSNorm keeping its input upcast to fp32 under bf16) shows here, not only in a peak.
+A saved-tensors hook (saved_tensors.py) counts the bytes Hugging Face's GPT-2 (with and without dropout), Llama,
+BERT and ViT blocks keep during one training forward on this CPU, in fp32 and in bf16 (parameters in bf16, no
+autocast: FSDP2's mixed precision, or pure bf16), and `block_activations` with the CPU's kernels must give them
+within 2 %: the count is per tensor PyTorch saves, so a dtype path the planner did not know (an eager RMSNorm
+keeping its input upcast to fp32 under bf16) shows here, not only in a peak. Training runs without a key/value
+cache (DistributedModel turns it off), so these do too.
 """
 
 from __future__ import annotations
@@ -16,30 +18,41 @@ from shardwise.planner.activations import Numerics, block_activations
 from shardwise.planner.families import spec_from_hf
 from shardwise.planner.hardware import local_node
 
-ROWS, SEQ = 2, 64
+ROWS, SEQ, WIDE = 2, 64, dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512)
 
 
-def _config(family: str):
-    import transformers as hf
-
-    if family == "llama":
-        return hf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, vocab_size=512, max_position_embeddings=SEQ,
-                              attn_implementation="sdpa")
-    return hf.GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=512, n_positions=SEQ, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
-
-
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_blocks_kept_bytes_are_what_autograd_keeps(family, dtype):
+def _built(case: str):
+    """(model, its inputs, tokens a block sees per sequence) for one case, its weights seeded."""
     import transformers as hf
 
     torch.manual_seed(0)
-    config = _config(family)
-    model = (hf.LlamaForCausalLM if family == "llama" else hf.GPT2LMHeadModel)(config).to(dtype)
-    tokens = torch.randint(0, config.vocab_size, (ROWS, SEQ))
-    kept = peak_saved_in_blocks(model, lambda: model(input_ids=tokens, use_cache=False))
-    spec = spec_from_hf(config.to_dict(), family)
-    per_token = block_activations(spec, SEQ, Numerics(dtype.itemsize), local_node(2)["device"].kernels).per_rank(1)
-    assert kept == pytest.approx(per_token * ROWS * SEQ * config.num_hidden_layers, rel=0.02)
+    tokens = torch.randint(0, 512, (ROWS, SEQ))
+    if case.startswith("gpt2"):
+        dropout = 0.1 if case == "gpt2 dropout" else 0.0
+        config = hf.GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=512, n_positions=SEQ, resid_pdrop=dropout,
+                               embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
+                               attn_implementation="sdpa")
+        return hf.GPT2LMHeadModel(config), {"input_ids": tokens, "use_cache": False}, SEQ
+    if case == "llama":
+        config = hf.LlamaConfig(**WIDE, num_key_value_heads=2, vocab_size=512, max_position_embeddings=SEQ,
+                                attn_implementation="sdpa")
+        return hf.LlamaForCausalLM(config), {"input_ids": tokens, "use_cache": False}, SEQ
+    if case == "bert":
+        config = hf.BertConfig(**WIDE, vocab_size=512, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+        return hf.BertForMaskedLM(config), {"input_ids": tokens}, SEQ
+    config = hf.ViTConfig(**WIDE, image_size=32, patch_size=4, num_channels=3, num_labels=4, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    return hf.ViTForImageClassification(config), {"pixel_values": torch.randn(ROWS, 3, 32, 32)}, 65
+
+
+@pytest.mark.parametrize("case", ["gpt2", "gpt2 dropout", "llama", "bert", "vit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_blocks_kept_bytes_are_what_autograd_keeps(case, dtype):
+    model, inputs, seq = _built(case)
+    model.to(dtype).train()
+    inputs = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    kept = peak_saved_in_blocks(model, lambda: model(**inputs))
+    spec = spec_from_hf(model.config.to_dict(), case)
+    per_token = block_activations(spec, seq, Numerics(dtype.itemsize), local_node(2)["device"].kernels).per_rank(1)
+    assert kept == pytest.approx(per_token * ROWS * seq * model.config.num_hidden_layers, rel=0.02)
