@@ -182,12 +182,13 @@ def block_activations(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Ke
     h = spec.hidden
     # Two norms: input (the residual stream) and output each (RMSNorm in HF also keeps its
     # normalised product, a fused kernel does not), plus their per-token statistics (mean and rstd, or rstd only).
-    # An eager RMSNorm (Hugging Face's, torchtitan's "rmsnorm") computes in fp32 and keeps its input upcast.
+    # An eager RMSNorm (Hugging Face's, torchtitan's "rmsnorm") computes in fp32, keeps its input upcast, and its
+    # normalised product cast back to the input's (the residual stream's) dtype.
     eager_rmsnorm = spec.norm == "rmsnorm" and not kernels.fused_rmsnorm
     products, norm_stats = (1 if eager_rmsnorm else 0, 1) if spec.norm == "rmsnorm" else (0, 2)
     norm_input = max(numerics.residual_bytes, _FP32) if eager_rmsnorm else numerics.residual_bytes
     outputs = 2 * h * low
-    sequence = 2 * (h * norm_input + products * h * low + norm_stats * _FP32)
+    sequence = 2 * (h * norm_input + products * h * numerics.residual_bytes + norm_stats * _FP32)
     if spec.hidden_dropout > 0:
         sequence += 2 * h * mask                         # after attention and after the MLP
     sharded = _attention_bytes(spec, seq, low, mask, kernels) + _mlp_tensors(spec) * spec.ffn * low
