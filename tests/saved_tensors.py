@@ -1,5 +1,5 @@
-"""Bytes autograd keeps for backward inside a model's blocks, counted by a saved-tensors hook: each storage once,
-from when an op saves it until backward frees it, parameters left out; the peak of the count."""
+"""Bytes autograd keeps for backward inside a model's blocks, counted by a saved-tensors hook: each storage once (a
+DTensor's local one), from when an op saves it until backward frees it, parameters left out; the peak of the count."""
 
 from __future__ import annotations
 
@@ -10,10 +10,18 @@ import torch
 from tiny_models import blocks
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor holding the storage: a DTensor's (or another wrapper subclass's) local tensor."""
+    while hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, names[0])
+    return tensor
+
+
 class SavedInBlocks:
     def __init__(self, model: torch.nn.Module) -> None:
         self.inside, self.live, self.held, self.peak = 0, {}, 0, 0
-        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}   # saved, but not activations
+        self.weights = {_plain(p).untyped_storage().data_ptr() for p in model.parameters()}   # not activations
         for block in blocks(model):
             block.register_forward_pre_hook(lambda *_: self._enter(1))
             block.register_forward_hook(lambda *_: self._enter(-1))
@@ -22,10 +30,11 @@ class SavedInBlocks:
         self.inside += step
 
     def pack(self, tensor: torch.Tensor):
-        key = tensor.untyped_storage().data_ptr()
+        storage = _plain(tensor).untyped_storage()
+        key = storage.data_ptr()
         if not self.inside or key in self.weights:
             return tensor
-        nbytes, count = self.live.get(key, (tensor.untyped_storage().nbytes(), 0))
+        nbytes, count = self.live.get(key, (storage.nbytes(), 0))
         if not count:
             self.held += nbytes
             self.peak = max(self.peak, self.held)

@@ -2,8 +2,8 @@
 
 A saved-tensors hook (saved_tensors.py) counts the bytes Hugging Face's GPT-2 (with and without dropout), Llama,
 BERT and ViT blocks keep during one training forward on this CPU, in fp32 and in bf16 (parameters in bf16, no
-autocast: FSDP2's mixed precision, or pure bf16), and `block_activations` with the CPU's kernels must give them
-within 2 %: the count is per tensor PyTorch saves, so a dtype path the planner did not know (an eager RMSNorm
+autocast: FSDP2's mixed precision, or pure bf16), and on each rank of a tensor-parallel pair with and without
+sequence parallelism; `block_activations` with the CPU's kernels must give them within 2 %: the count is per tensor PyTorch saves, so a dtype path the planner did not know (an eager RMSNorm
 keeping its input upcast to fp32 under bf16) shows here, not only in a peak. Training runs without a key/value
 cache (DistributedModel turns it off), so these do too.
 
@@ -75,3 +75,32 @@ def test_under_autocast_blocks_keep_weight_copies_and_an_fp32_residual_stream(ca
     layers = model.config.num_hidden_layers
     copies = numerics.weight_copies * spec.layer_parameters * layers
     assert kept == pytest.approx(per_token * ROWS * seq * layers + copies, rel=0.02)
+
+
+def _tensor_parallel_kept(case: str, sequence_parallel: bool) -> tuple[int, int]:
+    """One rank of a tensor-parallel pair: the bytes its blocks keep in one training forward, and the tokens they
+    see (SMP's tensor parallelism gathers the pair's batches: each rank runs both)."""
+    import shardwise as sw
+
+    sw.init({"tensor_parallel_degree": 2, "sequence_parallel": sequence_parallel})
+    model, inputs, seq = _built(case)
+    inner = sw.DistributedModel(model).get_module()
+    kept = peak_saved_in_blocks(inner, lambda: inner(**inputs))
+    return kept, 2 * ROWS * seq
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_tensor_parallel_blocks_kept_bytes_are_what_autograd_keeps(case, sequence_parallel):
+    """On 2 ranks: heads and MLP units split in two, the norms' outputs whole (torch keeps the input each
+    column-parallel linear gathered), the norms' inputs and statistics split over the sequence with sequence
+    parallelism, whole without."""
+    from shardwise.testing import run_distributed
+
+    results = run_distributed(_tensor_parallel_kept, 2, case, sequence_parallel, timeout=300)
+    model, _, seq = _built(case)
+    spec = spec_from_hf(model.config.to_dict(), case)
+    per_token = block_activations(spec, seq, Numerics(4), local_node(2)["device"].kernels).per_rank(
+        2, sequence_parallel)
+    for kept, tokens in results:
+        assert kept == pytest.approx(per_token * tokens * model.config.num_hidden_layers, rel=0.02)
