@@ -50,8 +50,8 @@ def test_spearman_ranks():
 
 def test_the_comparison_as_measured(summary):
     print("\n" + summary.table())
-    assert summary.mean_absolute_error < 0.165
-    assert summary.mfu_rank_correlation > 0.9
+    assert summary.mean_absolute_error < 0.175
+    assert summary.mfu_rank_correlation > 0.85
     assert summary.within(0.15) >= 16
     assert summary.within(0.25) >= 23
 
@@ -69,16 +69,20 @@ def test_no_run_is_off_by_more_than_60_percent(summary):
 
 
 def test_the_published_peak_memory(summary):
-    """torchtitan's one published peak (Llama 3.1 8B on 8 H100s, 82.4 GiB reserved by the caching allocator):
-    the planner's total less the runtime reserve (the CUDA context, which the allocator does not hold) is within
-    ±15 % of it (docs/planner.md: −12 %, the loss's backward transient not modelled)."""
+    """torchtitan's two published peaks (Llama 3.1 8B on 8 and on 128 H100s, 82.4 and 67.0 GiB reserved by the
+    caching allocator): the planner's total less the runtime reserve (the CUDA context, which the allocator does
+    not hold) is within ±15 % of each (docs/planner.md: −12 % and −15 %, the loss's backward transient not
+    modelled), and their difference, what the model states' sharding changes, within 5 %."""
     peaks = {run["name"]: run["published_peak_gib"] for run in RUNS if "published_peak_gib" in run}
-    assert peaks
+    assert len(peaks) == 2
+    predicted = {}
     for c in summary.comparisons:
         if c.name in peaks:
             memory = c.evaluation.memory
-            predicted = (memory.total - memory.runtime) / 2 ** 30
-            assert predicted == pytest.approx(peaks[c.name], rel=0.15), (c.name, predicted)
+            predicted[c.name] = (memory.total - memory.runtime) / 2 ** 30
+            assert predicted[c.name] == pytest.approx(peaks[c.name], rel=0.15), (c.name, predicted[c.name])
+    small, large = sorted(peaks, key=peaks.get)
+    assert predicted[large] - predicted[small] == pytest.approx(peaks[large] - peaks[small], rel=0.05)
 
 
 def test_trained_runs_predicted_not_to_fit_are_the_documented_ones(summary):
