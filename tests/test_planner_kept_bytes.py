@@ -5,7 +5,8 @@ BERT and ViT blocks keep during one training forward on this CPU, in fp32 and in
 autocast: FSDP2's mixed precision, or pure bf16), and on each rank of a tensor-parallel pair with and without
 sequence parallelism; `block_activations` with the CPU's kernels must give them within 2 %: the count is per tensor PyTorch saves, so a dtype path the planner did not know (an eager RMSNorm
 keeping its input upcast to fp32 under bf16) shows here, not only in a peak. Training runs without a key/value
-cache (DistributedModel turns it off), so these do too.
+cache (DistributedModel turns it off), so these do too. What a selective checkpointing policy keeps (torch
+hands a policy each op's output) must be `kept_matmul_bytes` exactly.
 
 Under autocast (fp32 parameters, bf16 matmuls, as DDP runs bf16) the blocks also keep each weight's bf16 copy
 and the residual stream in fp32. GPT-2's blocks are checked so. This CPU's autocast also runs GELU in fp32 and
@@ -104,3 +105,46 @@ def test_a_tensor_parallel_blocks_kept_bytes_are_what_autograd_keeps(case, seque
         2, sequence_parallel)
     for kept, tokens in results:
         assert kept == pytest.approx(per_token * tokens * model.config.num_hidden_layers, rel=0.02)
+
+
+def _counting(policy: str, tally: list[int]) -> type:
+    """`policy` (a runtime name) as a policy class that adds up the bytes of every output it keeps in forward."""
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from shardwise.parallel.recompute.selective import checked_policy
+
+    named = checked_policy(policy)
+
+    class Counting:
+        def __init__(self) -> None:
+            self.decide = named() if isinstance(named, type) else (
+                lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE if op in named else
+                CheckpointPolicy.PREFER_RECOMPUTE)
+
+        def __call__(self, ctx, op, *args, **kwargs):
+            decision = self.decide(ctx, op, *args, **kwargs)
+            if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+                tally[0] += sum(t.untyped_storage().nbytes() for t in tree_leaves(ctx.op_output) if torch.is_tensor(t))
+            return decision
+
+    return Counting
+
+
+@pytest.mark.parametrize("case, policy", [("gpt2", "matmul"), ("llama", "matmul"), ("llama", "alternate_matmul")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_what_a_selective_policy_keeps_is_what_the_planner_counts(case, policy, dtype):
+    import shardwise as sw
+    from shardwise.planner.activations import kept_matmul_bytes
+    from tiny_models import blocks
+
+    model, inputs, seq = _built(case)
+    model.to(dtype).train()
+    tally = [0]
+    for block in blocks(model):
+        sw.set_activation_checkpointing(block, policy=_counting(policy, tally))
+    model(**inputs)
+    spec = spec_from_hf(model.config.to_dict(), case)
+    per_token = kept_matmul_bytes(spec, seq, Numerics(dtype.itemsize), local_node(2)["device"].kernels, 1, False,
+                                  policy)
+    assert tally[0] == per_token * ROWS * seq * model.config.num_hidden_layers
