@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from shardwise.cli import build_parser
+from shardwise.cli import build_parser, main
 from shardwise.cli.tune import _settings
 from shardwise.config import ConfigError
 from shardwise.config.deepspeed import translate
 from shardwise.config.deepspeed.autotuning import tune_settings
 from shardwise.planner import cluster_preset, resolve_model
 from shardwise.tune import candidates
-from shardwise.tune.candidates import merged
+from shardwise.tune.candidates import merged, micro_batch
 
 
 def _block(**keys):
@@ -34,6 +34,8 @@ def _block(**keys):
     ("exps_dir", "exps", "runs_dir", "exps"),
     ("overwrite", True, "overwrite", True),
     ("num_tuning_micro_batch_sizes", 2, "micro_batch_sizes", 2),
+    ("min_train_micro_batch_size_per_gpu", 2, "min_micro_batch", 2),
+    ("max_train_micro_batch_size_per_gpu", 4, "max_micro_batch", 4),
     ("arg_mappings", {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}, "arg_mappings",
      {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}),
 ])
@@ -55,6 +57,9 @@ def test_fast_true_is_what_tune_does_and_false_is_refused():
     ({"start_profile_step": 6, "end_profile_step": 5}, "is after end_profile_step 5"),
     ({"tuner_num_trails": 3}, "unknown key"),
     ({"num_tuning_micro_batch_sizes": 0}, "autotuning.num_tuning_micro_batch_sizes"),
+    ({"max_train_micro_batch_size_per_gpu": 0}, "autotuning.max_train_micro_batch_size_per_gpu"),
+    ({"min_train_micro_batch_size_per_gpu": 4, "max_train_micro_batch_size_per_gpu": 2},
+     "autotuning.min_train_micro_batch_size_per_gpu"),
     ({"arg_mappings": {"zero_optimization.stage": "--stage"}}, "autotuning.arg_mappings.zero_optimization.stage"),
     ({"arg_mappings": {"train_batch_size": "batch"}}, "must map config keys to the script's arguments"),
 ])
@@ -127,6 +132,27 @@ def test_micro_batch_sizes_try_more_microbatch_counts_of_each_layout():
             c.config.get("microbatches", 1)
         assert values["train_micro_batch_size_per_gpu"] * values["gradient_accumulation_steps"] == \
             c.evaluation.batch_size
+
+
+def test_a_micro_batch_range_keeps_each_layouts_best_count_within_it(capsys):
+    """DeepSpeed's min/max_train_micro_batch_size_per_gpu (--min-micro-batch, --max-micro-batch): every trial's
+    micro batch per rank lies in the range; a layout whose planned count lies outside is tried at its best count
+    inside; an empty range is one line."""
+    spec = resolve_model("gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=16")
+    cluster = cluster_preset("local", devices_per_node=2)
+    planned = candidates(spec, cluster, {}, limit=50, global_batch=16)
+    assert any(micro_batch(c.evaluation) > 2 for c in planned)
+    bounded = candidates(spec, cluster, {}, limit=50, global_batch=16, micro_batch_range=(None, 2))
+    assert bounded and all(micro_batch(c.evaluation) <= 2 for c in bounded)
+    layouts = {json.dumps({k: v for k, v in c.config.items() if k != "microbatches"}, sort_keys=True)
+               for c in bounded}
+    outside = [c for c in planned if micro_batch(c.evaluation) > 2]
+    assert {json.dumps({k: v for k, v in c.config.items() if k != "microbatches"}, sort_keys=True)
+            for c in outside} <= layouts
+    assert all(micro_batch(c.evaluation) >= 4 for c in candidates(spec, cluster, {}, limit=50, global_batch=16,
+                                                                    micro_batch_range=(4, None)))
+    assert main(["tune", "--model", "gpt2", "--min-micro-batch", "4", "--max-micro-batch", "2", "train.py"]) == 2
+    assert "the micro batch range 4 to 2 is empty" in capsys.readouterr().err
 
 
 def test_arg_mapping_flags_are_checked(capsys):

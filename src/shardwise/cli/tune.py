@@ -93,6 +93,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-sizes", type=positive(int), metavar="N",
                    help="at most N micro batch sizes (microbatch counts at the planned global batch) of each layout, "
                         "the planner's best first (DeepSpeed's num_tuning_micro_batch_sizes; default: no limit)")
+    p.add_argument("--min-micro-batch", type=positive(int), metavar="B",
+                   help="try no micro batch of fewer than B sequences per rank (DeepSpeed's "
+                        "min_train_micro_batch_size_per_gpu)")
+    p.add_argument("--max-micro-batch", type=positive(int), metavar="B",
+                   help="try no micro batch of more than B sequences per rank (DeepSpeed's "
+                        "max_train_micro_batch_size_per_gpu): a layout's best count within the range stands in for "
+                        "the planner's pick")
     p.add_argument("--arg-mapping", dest="arg_mappings", action="append", type=_arg_mapping, metavar="KEY=--FLAG",
                    help="pass each trial's KEY (train_micro_batch_size_per_gpu, gradient_accumulation_steps or "
                         "train_batch_size) to the script as --FLAG, for a script that reads its batch from arguments "
@@ -142,7 +149,7 @@ def _arg_mapping(text: str) -> tuple[str, str]:
 
 _DEFAULTS = {"trials": 3, "steps": 3, "warmup": 1, "metric": "throughput", "early_stopping": None,
              "results": "tune_results", "runs_dir": None, "overwrite": False, "order": "model_based",
-             "micro_batch_sizes": None, "arg_mappings": {}}
+             "micro_batch_sizes": None, "min_micro_batch": None, "max_micro_batch": None, "arg_mappings": {}}
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -206,6 +213,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise tune: warm-up {s['warmup']} must be 0 or more and below the {s['steps']} steps, so that "
               "some step is measured", file=sys.stderr)
         return 2
+    low, high = s["min_micro_batch"], s["max_micro_batch"]
+    if low and high and low > high:
+        print(f"shardwise tune: the micro batch range {low} to {high} is empty; give a minimum no larger than the "
+              "maximum", file=sys.stderr)
+        return 2
     if not 0 <= args.bound_margin < 1:
         print(f"shardwise tune: --bound-margin {args.bound_margin:g} must be at least 0 and below 1; 0.1 allows "
               "10 % better than the most favourable ratio seen", file=sys.stderr)
@@ -254,7 +266,8 @@ def _lead(args: argparse.Namespace, s: dict, settings: TuneSettings, channel: No
                                   **_cluster_values(args))
         chosen = candidates(spec, cluster, base, limit=s["trials"], global_batch=args.global_batch, seq=args.seq,
                             precision=_precision(base), checkpointing=args.checkpointing,
-                            shuffled=s["order"] == "random", micro_batch_sizes=s["micro_batch_sizes"])
+                            shuffled=s["order"] == "random", micro_batch_sizes=s["micro_batch_sizes"],
+                            micro_batch_range=(s["min_micro_batch"], s["max_micro_batch"]))
     except PlanError as err:
         print(f"shardwise tune: {err}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ class Candidate:
         """The batch as DeepSpeed's config keys say it (for `arg_mappings`): sequences per rank per microbatch,
         microbatches per step, sequences per step."""
         e = self.evaluation
-        return {"train_micro_batch_size_per_gpu": e.micro_batch or e.batch_size,
+        return {"train_micro_batch_size_per_gpu": micro_batch(e),
                 "gradient_accumulation_steps": e.config.get("microbatches", 1), "train_batch_size": global_batch}
 
 
@@ -56,9 +56,10 @@ def merged(base: Mapping[str, Any], planned: Mapping[str, Any]) -> dict[str, Any
 
 
 def micro_batch_variants(spec: ModelSpec, cluster: ClusterSpec, chosen: Evaluation, global_batch: int,
-                         seq: Optional[int], count: int) -> list[Evaluation]:
-    """The planner's pick of a layout and up to `count` - 1 other microbatch counts of it that fit (powers of two
-    dividing its replica's batch: other micro batch sizes at the same global batch), fastest predicted first."""
+                         seq: Optional[int], count: Optional[int] = None) -> list[Evaluation]:
+    """The planner's pick of a layout and up to `count` - 1 (None: all) other microbatch counts of it that fit
+    (powers of two dividing its replica's batch: other micro batch sizes at the same global batch), fastest
+    predicted first."""
     others = []
     for m in (1 << i for i in range(chosen.batch_size.bit_length())):
         if chosen.batch_size % m or m == chosen.config.get("microbatches", 1):
@@ -73,23 +74,36 @@ def micro_batch_variants(spec: ModelSpec, cluster: ClusterSpec, chosen: Evaluati
             continue
         if variant.fits:
             others.append(variant)
-    return [chosen, *sorted(others, key=lambda e: e.step_time)[:count - 1]]
+    return [chosen, *sorted(others, key=lambda e: e.step_time)[:None if count is None else count - 1]]
+
+
+def micro_batch(e: Evaluation) -> int:
+    """Sequences per rank per microbatch (DeepSpeed's train_micro_batch_size_per_gpu)."""
+    return e.micro_batch or e.batch_size
 
 
 def candidates(spec: ModelSpec, cluster: ClusterSpec, base: Mapping[str, Any], *, limit: int,
                global_batch: Optional[int] = None, seq: Optional[int] = None, precision: Optional[str] = None,
                checkpointing: str = "none", shuffled: bool = False,
-               micro_batch_sizes: Optional[int] = None) -> list[Candidate]:
+               micro_batch_sizes: Optional[int] = None,
+               micro_batch_range: tuple[Optional[int], Optional[int]] = (None, None)) -> list[Candidate]:
     """Up to `limit` distinct configs among the fitting layouts planned with `checkpointing`, fastest predicted
     first, or `shuffled` (a random order, seed 0: DeepSpeed's random tuner). The planner keeps each layout's best
     microbatch count; with `micro_batch_sizes` (DeepSpeed's num_tuning_micro_batch_sizes) up to that many of each
-    layout are tried. Each keeps its place in that order as `rank`."""
+    layout are tried. `micro_batch_range` (DeepSpeed's min/max_train_micro_batch_size_per_gpu) keeps the counts
+    whose micro batch per rank lies in it, a layout's best such count standing in for the planner's pick when that
+    lies outside. Each keeps its place in that order as `rank`."""
     result = plan(spec, cluster, global_batch=global_batch, seq=seq, precision=precision)
     picks = [e for e in result.fitting if e.checkpointing == checkpointing]
-    if micro_batch_sizes is not None and micro_batch_sizes > 1:
-        picks = sorted((v for e in picks for v in micro_batch_variants(spec, cluster, e, result.global_batch,
-                                                                       seq, micro_batch_sizes)),
-                       key=lambda e: e.step_time)
+    per_layout = micro_batch_sizes or 1
+    low, high = micro_batch_range
+    bounded = (low, high) != (None, None)
+    if per_layout > 1 or bounded:
+        def kept(e: Evaluation) -> list[Evaluation]:
+            variants = micro_batch_variants(spec, cluster, e, result.global_batch, seq, None if bounded else per_layout)
+            return [v for v in variants if (low or 1) <= micro_batch(v) <= (high or micro_batch(v))][:per_layout]
+
+        picks = sorted((v for e in picks for v in kept(e)), key=lambda e: e.step_time)
     distinct: list[Candidate] = []
     seen: list[dict] = []
     for e in picks:
@@ -101,6 +115,8 @@ def candidates(spec: ModelSpec, cluster: ClusterSpec, base: Mapping[str, Any], *
         random.Random(0).shuffle(distinct)
     chosen = distinct[:limit]
     if not chosen:
-        raise PlanError(f"no layout of {spec.name} fits {cluster.name} with checkpointing {checkpointing!r}; "
+        bounds = (f" and a micro batch per rank from {low or 1} to {high or 'any'}" if (low, high) != (None, None)
+                  else "")
+        raise PlanError(f"no layout of {spec.name} fits {cluster.name} with checkpointing {checkpointing!r}{bounds}; "
                         "run `shardwise plan --explain` with the same model and cluster to see why")
     return chosen

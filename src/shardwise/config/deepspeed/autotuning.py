@@ -40,6 +40,10 @@ MAPPED = {
                                      "(microbatch counts at the planned global batch) per layout"),
     "arg_mappings": ("arg_mappings", "--arg-mapping: each trial passes its train_micro_batch_size_per_gpu, "
                      "gradient_accumulation_steps or train_batch_size to the script as the mapped argument"),
+    "min_train_micro_batch_size_per_gpu": ("min_micro_batch", "--min-micro-batch: no trial runs fewer sequences "
+                                           "per rank per microbatch"),
+    "max_train_micro_batch_size_per_gpu": ("max_micro_batch", "--max-micro-batch: no trial runs more sequences "
+                                           "per rank per microbatch"),
 }
 # The config values a trial can pass to the script through arg_mappings (tune/candidates.py Candidate.batch_values).
 ARG_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -47,7 +51,6 @@ _BATCH = ("the global batch is the planned one (--global-batch): shardwise tune 
           "MiCS group, microbatches, offload), and micro batch sizes within that batch, not batch sizes")
 NOT_BUILT = {
     "max_train_batch_size": _BATCH, "min_train_batch_size": _BATCH,
-    "max_train_micro_batch_size_per_gpu": _BATCH, "min_train_micro_batch_size_per_gpu": _BATCH,
     "mp_size": "the planner searches tensor_parallel_degree itself",
     "model_info": "the planner reads the model from shardwise tune --model", "model_info_path": "the same",
     "metric_path": "each trial's metrics are in its run directory's metrics/ and in trials.jsonl",
@@ -77,10 +80,15 @@ def _check_values(t: Translation, section: Mapping[str, Any]) -> None:
                     t.problem(f"autotuning.arg_mappings.{key}", mappings[key], "is not a value a trial sets "
                               "(shardwise tune tries layouts and micro batch sizes)", f"map one of {', '.join(ARG_KEYS)}")
     for key in ("start_profile_step", "end_profile_step", "tuner_early_stopping", "tuner_num_trials",
-                "num_tuning_micro_batch_sizes"):
+                "num_tuning_micro_batch_sizes", "min_train_micro_batch_size_per_gpu",
+                "max_train_micro_batch_size_per_gpu"):
         value = section.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             t.problem(f"autotuning.{key}", value, "must be a whole number of 1 or more", "e.g. 3")
+    low, high = section.get("min_train_micro_batch_size_per_gpu"), section.get("max_train_micro_batch_size_per_gpu")
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        t.problem("autotuning.min_train_micro_batch_size_per_gpu", low,
+                  f"is above max_train_micro_batch_size_per_gpu {high}", "give a range whose minimum is the smaller")
     start, end = section.get("start_profile_step"), section.get("end_profile_step")
     if isinstance(start, int) and isinstance(end, int) and start > end:
         t.problem("autotuning.start_profile_step", start, f"is after end_profile_step {end}",
