@@ -48,7 +48,7 @@ def _held_and_counted(schedule: str, virtual: int) -> tuple[list[float], list[fl
     per_block = _one_block_microbatch()
     spec = spec_from_hf(build("llama", layers=LAYERS).config.to_dict(), "tiny llama")
     counted = pipeline_stages(spec, parse_config(config), Layout(pp=PP))
-    return [measured[rank] / per_block for rank in range(PP)], [blocks * held for blocks, held in counted]
+    return [measured[rank] / per_block for rank in range(PP)], [blocks * held for blocks, held, _, _ in counted]
 
 
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])

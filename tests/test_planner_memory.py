@@ -229,11 +229,24 @@ def test_a_middle_stage_the_cut_fills_holds_its_blocks_in_flight():
     spec = resolve_model("gpt2")
     config = parse_config({"pipeline_parallel_degree": 4, "microbatches": 8})
     stages = pipeline_stages(spec, config, Layout(pp=4))
-    assert stages == ((1, 4), (5, 3), (5, 2), (1, 1))
+    assert stages == ((1, 4, True, False), (5, 3, False, False), (5, 2, False, False), (1, 1, False, True))
     block = block_activations(spec, 512, Numerics(2)).per_rank(1) * 2 * 512
     assert _acts(spec, pp=4, in_flight=4, stages=stages).device == pytest.approx(15 * block)
     gpipe = parse_config({"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline_schedule": "gpipe"})
-    assert pipeline_stages(spec, gpipe, Layout(pp=4)) == ((1, 4), (5, 4), (5, 4), (1, 4))
+    assert [s[:2] for s in pipeline_stages(spec, gpipe, Layout(pp=4))] == [(1, 4), (5, 4), (5, 4), (1, 4)]
+    zbv = parse_config({"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline_schedule": "zbv_zero_bubble"})
+    assert [s[2:] for s in pipeline_stages(spec, zbv, Layout(pp=4))][0] == (True, True)   # V-shaped: both ends
+
+
+def test_each_pipeline_ranks_states_are_its_own_stages():
+    """Balanced by compute (embedding lookups free), GPT-2 small's 12 blocks are cut 9 and 3 on 2 stages: the first
+    rank holds the embedding and 9 blocks, more parameters than an even cut's 6 would give it; balanced by
+    parameters, 6 and 6."""
+    spec = resolve_model("gpt2")
+    for balance, blocks in [("parameters", 6), ("compute", 9)]:
+        config = parse_config({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline_balance": balance})
+        memory = predict_memory(spec, config, Layout(pp=2), 2, 512)
+        assert memory.parameters == 4 * (spec.embedding_parameters + blocks * spec.layer_parameters)
 
 
 def test_pipeline_stage_zero_holds_the_in_flight_microbatches():

@@ -272,16 +272,17 @@ class ActivationMemory:
 def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: Numerics, tp: int, pp: int,
                      in_flight: int, checkpointing: str, offload: bool = False, loading_horizon: int = 4,
                      kernels: Kernels = Kernels(), sequence_parallel: bool = False,
-                     context_parallel: int = 1, stages: tuple[tuple[int, int], ...] = ()) -> ActivationMemory:
+                     context_parallel: int = 1,
+                     stages: tuple[tuple[int, float, bool, bool], ...] = ()) -> ActivationMemory:
     """Peak activation bytes on the busiest pipeline stage.
 
     Context parallelism of degree `context_parallel` leaves a rank 1/n of each sequence's tokens: everything
     per token divides by n, the attention of each still reaching the whole sequence (`kernels`: what it keeps,
     context.py's `saved_kernels`).
 
-    `stages` gives every pipeline rank's (blocks, microbatches in flight) as the runtime's cut and schedule
-    leave them (memory.py); without it, the first stage holds ⌈blocks / pp⌉ blocks and `in_flight`
-    microbatches (1F1B, capped by active_microbatches) and the last one. Checkpointing keeps each region's input
+    `stages` gives pipeline ranks' (blocks, microbatches in flight, holds the embedding, holds the head) as the
+    runtime's cut and schedule leave them (memory.py); without it, the first stage holds ⌈blocks / pp⌉ blocks and
+    `in_flight` microbatches (1F1B, capped by active_microbatches) and the last one. Checkpointing keeps each region's input
     (with sequence parallelism this rank's slice of it) and recomputes one region of one microbatch at a time;
     offload moves the kept inputs to the host except the `loading_horizon` regions prefetched for backward.
     The first recompute starts once backward has passed the head, which frees the logits: so the peak is the
@@ -318,12 +319,12 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     if pp == 1:
         stored, host, recompute = held(layers)
         return ActivationMemory(stored + first + max(last, recompute) + copies, host, max(0.0, last - recompute))
-    stages = stages or ((layers, in_flight), *[(0, 0)] * (pp - 2), (layers, 1))
+    stages = stages or ((layers, in_flight, True, False), (layers, 1, False, True))
     busiest, hosted = 0.0, 0.0
-    for rank, (blocks, microbatches) in enumerate(stages):
+    for blocks, microbatches, holds_first, holds_last in stages:
         stored, host, recompute = held(blocks)
-        head = last if rank == pp - 1 else 0.0
-        busiest = max(busiest, microbatches * (stored + (first if rank == 0 else 0.0)) + max(head, recompute))
+        busiest = max(busiest, microbatches * (stored + (first if holds_first else 0.0))
+                      + max(last if holds_last else 0.0, recompute))
         hosted = max(hosted, microbatches * host)
     return ActivationMemory(busiest + copies, hosted)
 

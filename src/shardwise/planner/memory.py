@@ -19,11 +19,12 @@ when its ranks run with a fixed mmap threshold (`DeviceSpec.fixed_mmap_threshold
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from ..config.decisions import Decisions
 from ..config.schema import ShardwiseConfig
+from ..parallel.stage_split import stage_ranks
 from ..topology import Layout
 from . import assumptions as A
 from . import context, experts
@@ -31,7 +32,7 @@ from .activations import rank_activations
 from .bubbles import rank_blocks
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
-from .spec import ModelSpec
+from .spec import ModelSpec, RankCut
 from .wrapping import (comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes, gradient_fraction,
                        in_flight_bucket_bytes, numerics, optimizer_bytes, optimizer_share, optimizer_step_bytes,
                        shard_degrees, stored_bytes)
@@ -133,18 +134,42 @@ def in_flight_microbatches(config: ShardwiseConfig, layout: Layout, rank: int = 
     return min(warmup + 1, whole * v) / v
 
 
-def pipeline_stages(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> tuple[tuple[int, float], ...]:
-    """Every pipeline rank's (blocks, microbatches in flight) as the runtime's cut and schedule leave them; () without
-    a pipeline of blocks (rank_activations then counts the first stage)."""
+def pipeline_stages(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> tuple[tuple[int, float, bool, bool], ...]:
+    """Every pipeline rank's (blocks, microbatches in flight, holds the embedding, holds the head) as the runtime's
+    cut and schedule leave them; () without a pipeline of blocks (rank_activations then counts the first stage)."""
     if not Decisions(config, layout).pipelining or spec.graph_stages(layout.pp):
         return ()
-    return tuple((blocks, in_flight_microbatches(config, layout, rank))
-                 for rank, blocks in enumerate(rank_blocks(spec, config, layout.pp)))
+    pp = layout.pp
+    places = stage_ranks(config.pipeline_schedule, pp, pp * config.stages_per_rank)
+    return tuple((blocks, in_flight_microbatches(config, layout, rank), rank == places[0], rank == places[-1])
+                 for rank, blocks in enumerate(rank_blocks(spec, config, pp)))
+
+
+def _telling_ranks(stages: tuple[tuple[int, float, bool, bool], ...]) -> list[int]:
+    """The ranks one of which peaks: those holding the embedding or the head, the one holding the most blocks, and
+    the one holding the most block-microbatches (any other holds less of everything than one of these)."""
+    ends = [r for r, (_, _, first, last) in enumerate(stages) if first or last]
+    most_blocks = max(range(len(stages)), key=lambda r: stages[r][0])
+    most_held = max(range(len(stages)), key=lambda r: stages[r][0] * stages[r][1])
+    return sorted({*ends, most_blocks, most_held})
 
 
 def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
                    checkpointing: str = "none", device: Optional[DeviceSpec] = None) -> MemoryBreakdown:
-    """Peak bytes per rank by category, for the busiest pipeline stage.
+    """Peak bytes per rank by category, for the busiest pipeline rank: each rank that can peak counted with its own
+    blocks, embedding or head and microbatches in flight (`pipeline_stages`), the largest total kept."""
+    stages = pipeline_stages(spec, config, layout)
+    if not stages:
+        return _rank_memory(spec, config, layout, micro_batch, seq, checkpointing, device, ())
+    return max((_rank_memory(replace(spec, rank_cut=RankCut(stages[r][0], stages[r][2], stages[r][3])), config,
+                             layout, micro_batch, seq, checkpointing, device, (stages[r],))
+                for r in _telling_ranks(stages)), key=lambda breakdown: breakdown.total)
+
+
+def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
+                 checkpointing: str, device: Optional[DeviceSpec],
+                 stages: tuple[tuple[int, float, bool, bool], ...]) -> MemoryBreakdown:
+    """Peak bytes by category on one rank: `spec`'s stage (its `rank_cut`) and `stages`' activations.
 
     `micro_batch` is sequences per microbatch on one rank (tensor-parallel ranks share them).
     `device` supplies kernel facts and the runtime reserve (and on a CPU the allocator's retention); without
@@ -170,8 +195,7 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
                             checkpointing=checkpointing, offload=config.offload_activations and moves_to_host(device),
                             loading_horizon=config.activation_loading_horizon,
                             kernels=context.saved_kernels(mode, kernels) if decisions.context_parallel else kernels,
-                            sequence_parallel=config.sequence_parallel, context_parallel=cp,
-                            stages=pipeline_stages(spec, config, layout))
+                            sequence_parallel=config.sequence_parallel, context_parallel=cp, stages=stages)
     routed = experts.dispatch_activations(spec, config, layout, micro_batch, seq, checkpointing,
                                           in_flight_microbatches(config, layout), compute_bytes(config))
     freed = acts.device + routed

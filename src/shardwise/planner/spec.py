@@ -40,6 +40,16 @@ class Traced:
 
 
 @dataclass(frozen=True)
+class RankCut:
+    """One pipeline rank's share of the runtime's cut: its blocks over all its stages, and whether it holds the
+    embedding (the first stage) and the head (the last)."""
+
+    blocks: int
+    holds_first: bool
+    holds_last: bool
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A transformer of `layers` identical blocks plus an embedding and an output head, or a traced module.
 
@@ -76,6 +86,8 @@ class ModelSpec:
     sequential_blocks: bool = False        # the blocks are an nn.Sequential, whose runs set_activation_checkpointing
                                            # can group (Hugging Face models call a ModuleList's blocks one by one)
     experts: Optional[ExpertShape] = None  # a mixture of experts': each token passes through top-k of them
+    rank_cut: Optional[RankCut] = None     # the pipeline rank a memory prediction is for (memory.py sets it per
+                                           # rank); None: the fullest stage, with the larger of embedding and head
 
     def graph_stages(self, pp: int) -> tuple[StageCost, ...]:
         """The module-graph cut into `pp` stages, for a traced model without a block list; else ()."""
@@ -160,7 +172,9 @@ class ModelSpec:
         return self.forward_flops_per_token(seq, self.stage_layers(pp)), self.edge_flops_per_token()
 
     def stage_layers(self, pp: int) -> int:
-        """Blocks on the fullest pipeline stage (stages get ⌈layers / pp⌉ at most)."""
+        """Blocks on the fullest pipeline stage (⌈layers / pp⌉), or on the rank `rank_cut` names."""
+        if self.rank_cut is not None and pp > 1:
+            return self.rank_cut.blocks
         return math.ceil(self.layers / pp)
 
     def stage_parameters(self, pp: int) -> int:
@@ -183,4 +197,7 @@ class ModelSpec:
         if pp == 1:
             return self.embedding_tensors + blocks + self.head_tensors
         last = self.head_tensors + ((self.vocab * self.hidden,) if self.tied_head else ())
+        if self.rank_cut is not None:
+            return ((self.embedding_tensors if self.rank_cut.holds_first else ()) + blocks
+                    + (last if self.rank_cut.holds_last else ()))
         return self.embedding_tensors + blocks if sum(self.embedding_tensors) >= sum(last) else blocks + last
