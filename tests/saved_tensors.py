@@ -10,7 +10,7 @@ import torch
 from tiny_models import blocks
 
 
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
+def local(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor holding the storage: a DTensor's (or another wrapper subclass's) local tensor."""
     while hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         names, _ = tensor.__tensor_flatten__()
@@ -21,7 +21,7 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 class SavedInBlocks:
     def __init__(self, model: torch.nn.Module) -> None:
         self.inside, self.live, self.held, self.peak = 0, {}, 0, 0
-        self.weights = {_plain(p).untyped_storage().data_ptr() for p in model.parameters()}   # not activations
+        self.weights = {local(p).untyped_storage().data_ptr() for p in model.parameters()}   # not activations
         for block in blocks(model):
             block.register_forward_pre_hook(lambda *_: self._enter(1))
             block.register_forward_hook(lambda *_: self._enter(-1))
@@ -30,7 +30,7 @@ class SavedInBlocks:
         self.inside += step
 
     def pack(self, tensor: torch.Tensor):
-        storage = _plain(tensor).untyped_storage()
+        storage = local(tensor).untyped_storage()
         key = storage.data_ptr()
         if not self.inside or key in self.weights:
             return tensor

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saved_tensors import peak_saved_in_blocks
+from saved_tensors import local, peak_saved_in_blocks
 from shardwise.planner.activations import Numerics, block_activations
 from shardwise.planner.families import spec_from_hf
 from shardwise.planner.hardware import local_node
@@ -125,7 +125,8 @@ def _counting(policy: str, tally: list[int]) -> type:
         def __call__(self, ctx, op, *args, **kwargs):
             decision = self.decide(ctx, op, *args, **kwargs)
             if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
-                tally[0] += sum(t.untyped_storage().nbytes() for t in tree_leaves(ctx.op_output) if torch.is_tensor(t))
+                tally[0] += sum(local(t).untyped_storage().nbytes() for t in tree_leaves(ctx.op_output)
+                                if torch.is_tensor(t))
             return decision
 
     return Counting
@@ -148,3 +149,34 @@ def test_what_a_selective_policy_keeps_is_what_the_planner_counts(case, policy, 
     per_token = kept_matmul_bytes(spec, seq, Numerics(dtype.itemsize), local_node(2)["device"].kernels, 1, False,
                                   policy)
     assert tally[0] == per_token * ROWS * seq * model.config.num_hidden_layers
+
+
+def _tensor_parallel_policy_kept(case: str, policy: str, sequence_parallel: bool) -> int:
+    import shardwise as sw
+    from tiny_models import blocks
+
+    sw.init({"tensor_parallel_degree": 2, "sequence_parallel": sequence_parallel})
+    model, inputs, _ = _built(case)
+    tally = [0]
+    for block in blocks(model):
+        sw.set_activation_checkpointing(block, policy=_counting(policy, tally))
+    inner = sw.DistributedModel(model).get_module()
+    inner(**inputs)
+    return tally[0]
+
+
+@pytest.mark.parametrize("case, policy", [("gpt2", "matmul"), ("llama", "alternate_matmul")])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_what_a_policy_keeps_under_tensor_parallelism_is_what_the_planner_counts(case, policy, sequence_parallel):
+    """On each rank of a tensor-parallel pair the policies also keep the collectives' outputs: each output
+    projection's all-reduce, or with sequence parallelism its reduce-scatter and the all-gather of each
+    column-parallel linear's input."""
+    from shardwise.planner.activations import kept_matmul_bytes
+    from shardwise.testing import run_distributed
+
+    kept = run_distributed(_tensor_parallel_policy_kept, 2, case, policy, sequence_parallel, timeout=300)
+    model, _, seq = _built(case)
+    spec = spec_from_hf(model.config.to_dict(), case)
+    per_token = kept_matmul_bytes(spec, seq, Numerics(4), local_node(2)["device"].kernels, 2, sequence_parallel,
+                                  policy)
+    assert kept == [per_token * 2 * ROWS * seq * model.config.num_hidden_layers] * 2

@@ -223,9 +223,11 @@ def matmul_outputs(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kerne
 def kept_matmul_bytes(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kernels, tp: int,
                       sequence_parallel: bool, policy: str = "matmul") -> float:
     """Per token, what one block checkpointed with a policy keeping matmuls keeps on a rank besides its input:
-    its matmul outputs and, under tensor parallelism, each output projection's all-reduce (reduce-scatter with
-    sequence parallelism) output; at most what the block keeps uncheckpointed."""
-    collectives = 2 * spec.hidden * numerics.compute / (tp if sequence_parallel else 1) if tp > 1 else 0.0
+    its matmul outputs and, under tensor parallelism, the collectives' outputs: each output projection's all-reduce
+    (with sequence parallelism its reduce-scatter, 1/tp of it, and the all-gather of each column-parallel linear's
+    input, whole); at most what the block keeps uncheckpointed."""
+    whole = 2 * spec.hidden * numerics.compute
+    collectives = (whole / tp + whole if sequence_parallel else whole) if tp > 1 else 0.0
     block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel)
     return min(block, matmul_outputs(spec, seq, numerics, kernels, policy).per_rank(tp) + collectives)
 
