@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..config.recompute import checkpointing_group_size, split_policy
 from .errors import PlanError
@@ -263,6 +264,15 @@ def logits_bytes(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels
     return spec.head_outputs * (numerics.logits_bytes + _FP32)
 
 
+class PipelineRank(NamedTuple):
+    """What one pipeline rank holds as the runtime's cut and schedule leave it (memory.py's `pipeline_stages`)."""
+
+    blocks: int
+    in_flight: float        # microbatches whose activations it holds at its peak, in whole-rank units
+    holds_first: bool       # the embedding's stage
+    holds_last: bool        # the head's stage
+
+
 @dataclass(frozen=True)
 class ActivationMemory:
     device: float      # bytes kept on the device at the peak
@@ -272,20 +282,19 @@ class ActivationMemory:
 
 
 def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: Numerics, tp: int, pp: int,
-                     in_flight: int, checkpointing: str, offload: bool = False, loading_horizon: int = 4,
+                     in_flight: float, checkpointing: str, offload: bool = False, loading_horizon: int = 4,
                      kernels: Kernels = Kernels(), sequence_parallel: bool = False,
-                     context_parallel: int = 1,
-                     stages: tuple[tuple[int, float, bool, bool], ...] = ()) -> ActivationMemory:
+                     context_parallel: int = 1, stages: tuple[PipelineRank, ...] = ()) -> ActivationMemory:
     """Peak activation bytes on the busiest pipeline stage.
 
     Context parallelism of degree `context_parallel` leaves a rank 1/n of each sequence's tokens: everything
     per token divides by n, the attention of each still reaching the whole sequence (`kernels`: what it keeps,
     context.py's `saved_kernels`).
 
-    `stages` gives pipeline ranks' (blocks, microbatches in flight, holds the embedding, holds the head) as the
-    runtime's cut and schedule leave them (memory.py); without it, the first stage holds ⌈blocks / pp⌉ blocks and
-    `in_flight` microbatches (1F1B, capped by active_microbatches) and the last one. Checkpointing keeps each region's input
-    (with sequence parallelism this rank's slice of it) and recomputes one region of one microbatch at a time;
+    `stages` gives the pipeline ranks to count (memory.py); without it, the first stage holds ⌈blocks / pp⌉
+    blocks and `in_flight` microbatches (1F1B, capped by active_microbatches) and the last one. Checkpointing keeps
+    each region's input (with sequence parallelism this rank's slice of it) and recomputes one region of one
+    microbatch at a time;
     offload moves the kept inputs to the host except the `loading_horizon` regions prefetched for backward.
     The first recompute starts once backward has passed the head, which frees the logits: so the peak is the
     larger of the head's tensors and one region's, not their sum. Autocast's weight copies count once (only
@@ -321,13 +330,13 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     if pp == 1:
         stored, host, recompute = held(layers)
         return ActivationMemory(stored + first + max(last, recompute) + copies, host, max(0.0, last - recompute))
-    stages = stages or ((layers, in_flight, True, False), (layers, 1, False, True))
+    stages = stages or (PipelineRank(layers, in_flight, True, False), PipelineRank(layers, 1, False, True))
     busiest, hosted = 0.0, 0.0
-    for blocks, microbatches, holds_first, holds_last in stages:
-        stored, host, recompute = held(blocks)
-        busiest = max(busiest, microbatches * (stored + (first if holds_first else 0.0))
-                      + max(last if holds_last else 0.0, recompute))
-        hosted = max(hosted, microbatches * host)
+    for rank in stages:
+        stored, host, recompute = held(rank.blocks)
+        busiest = max(busiest, rank.in_flight * (stored + (first if rank.holds_first else 0.0))
+                      + max(last if rank.holds_last else 0.0, recompute))
+        hosted = max(hosted, rank.in_flight * host)
     return ActivationMemory(busiest + copies, hosted)
 
 

@@ -3,9 +3,9 @@
 A rank runs `virtual_stages` chunks of the model (stages r, r + pp, ...); the split is the runtime's:
 `pipeline_split_points` by hand, else the cut parallel/pipeline/partition.py makes, the same min-max split
 (parallel/stage_split.py) over the blocks' costs with the embedding on the first stage and the head on the
-last, by `pipeline_balance` (parameters; or compute, where embedding lookups are free). Per round of microbatches the bubble is
-the fill and drain the schedule leaves idle, in the papers' own terms, with F, B and W one microbatch's
-forward, input-gradient and weight-gradient time on the busiest rank:
+last, by `pipeline_balance` (parameters; or compute, where embedding lookups are free). Per round of
+microbatches the bubble is the fill and drain the schedule leaves idle, in the papers' own terms, with F, B and W
+one microbatch's forward, input-gradient and weight-gradient time on the busiest rank:
 
 - `gpipe`, `1f1b`: (pp − 1)(F + B + W) (Narayanan et al., 2021);
 - `interleaved_1f1b`: the same divided by the chunks a rank runs, v (ibid.);

@@ -28,7 +28,7 @@ from ..parallel.stage_split import stage_ranks
 from ..topology import Layout
 from . import assumptions as A
 from . import context, experts
-from .activations import rank_activations
+from .activations import PipelineRank, rank_activations
 from .bubbles import rank_blocks
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
@@ -134,24 +134,26 @@ def in_flight_microbatches(config: ShardwiseConfig, layout: Layout, rank: int = 
     return min(warmup + 1, whole * v) / v
 
 
-def pipeline_stages(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> tuple[tuple[int, float, bool, bool], ...]:
-    """Every pipeline rank's (blocks, microbatches in flight, holds the embedding, holds the head) as the runtime's
-    cut and schedule leave them; () without a pipeline of blocks (rank_activations then counts the first stage)."""
+def pipeline_stages(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> tuple[PipelineRank, ...]:
+    """Every pipeline rank as the runtime's cut and schedule leave it; () without a pipeline of blocks
+    (rank_activations then counts the first stage)."""
     if not Decisions(config, layout).pipelining or spec.graph_stages(layout.pp):
         return ()
     pp = layout.pp
     places = stage_ranks(config.pipeline_schedule, pp, pp * config.stages_per_rank)
-    return tuple((blocks, in_flight_microbatches(config, layout, rank), rank == places[0], rank == places[-1])
+    return tuple(PipelineRank(blocks, in_flight_microbatches(config, layout, rank), rank == places[0],
+                              rank == places[-1])
                  for rank, blocks in enumerate(rank_blocks(spec, config, pp)))
 
 
-def _telling_ranks(stages: tuple[tuple[int, float, bool, bool], ...]) -> list[int]:
-    """The ranks one of which peaks: those holding the embedding or the head, the one holding the most blocks, and
-    the one holding the most block-microbatches (any other holds less of everything than one of these)."""
-    ends = [r for r, (_, _, first, last) in enumerate(stages) if first or last]
-    most_blocks = max(range(len(stages)), key=lambda r: stages[r][0])
-    most_held = max(range(len(stages)), key=lambda r: stages[r][0] * stages[r][1])
-    return sorted({*ends, most_blocks, most_held})
+def _telling_ranks(stages: tuple[PipelineRank, ...]) -> list[PipelineRank]:
+    """The ranks one of which peaks: those holding the embedding or the head, and of the others those no other
+    matches in both blocks and microbatches in flight (a rank matched in both holds no more of anything)."""
+    ends = [r for r in stages if r.holds_first or r.holds_last]
+    middle = {r for r in stages if not (r.holds_first or r.holds_last)}
+    front = [r for r in middle if not any(o != r and o.blocks >= r.blocks and o.in_flight >= r.in_flight
+                                          for o in middle)]
+    return ends + sorted(front)
 
 
 def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
@@ -160,16 +162,16 @@ def predict_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, mic
     blocks, embedding or head and microbatches in flight (`pipeline_stages`), the largest total kept."""
     stages = pipeline_stages(spec, config, layout)
     if not stages:
-        return _rank_memory(spec, config, layout, micro_batch, seq, checkpointing, device, ())
-    return max((_rank_memory(replace(spec, rank_cut=RankCut(stages[r][0], stages[r][2], stages[r][3])), config,
-                             layout, micro_batch, seq, checkpointing, device, (stages[r],))
-                for r in _telling_ranks(stages)), key=lambda breakdown: breakdown.total)
+        return _rank_memory(spec, config, layout, micro_batch, seq, checkpointing, device, None)
+    return max((_rank_memory(replace(spec, rank_cut=RankCut(rank.blocks, rank.holds_first, rank.holds_last)),
+                             config, layout, micro_batch, seq, checkpointing, device, rank)
+                for rank in _telling_ranks(stages)), key=lambda breakdown: breakdown.total)
 
 
 def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
-                 checkpointing: str, device: Optional[DeviceSpec],
-                 stages: tuple[tuple[int, float, bool, bool], ...]) -> MemoryBreakdown:
-    """Peak bytes by category on one rank: `spec`'s stage (its `rank_cut`) and `stages`' activations.
+                 checkpointing: str, device: Optional[DeviceSpec], rank: Optional[PipelineRank]) -> MemoryBreakdown:
+    """Peak bytes by category on one rank: `spec`'s stage (its `rank_cut`) holding what pipeline `rank` holds (None:
+    no pipeline of blocks).
 
     `micro_batch` is sequences per microbatch on one rank (tensor-parallel ranks share them).
     `device` supplies kernel facts and the runtime reserve (and on a CPU the allocator's retention); without
@@ -195,9 +197,11 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
                             checkpointing=checkpointing, offload=config.offload_activations and moves_to_host(device),
                             loading_horizon=config.activation_loading_horizon,
                             kernels=context.saved_kernels(mode, kernels) if decisions.context_parallel else kernels,
-                            sequence_parallel=config.sequence_parallel, context_parallel=cp, stages=stages)
+                            sequence_parallel=config.sequence_parallel, context_parallel=cp,
+                            stages=(rank,) if rank else ())
     routed = experts.dispatch_activations(spec, config, layout, micro_batch, seq, checkpointing,
-                                          in_flight_microbatches(config, layout), compute_bytes(config))
+                                          rank.in_flight if rank else in_flight_microbatches(config, layout),
+                                          compute_bytes(config))
     freed = acts.device + routed
     # context parallelism's exchange runs inside each block's backward, after the head's tensors are freed
     exchange = context_buffer_bytes(spec, config, layout, micro_batch, seq, device)
