@@ -1,6 +1,8 @@
 """planner/experts.py: expert memory per rank, all-to-all bytes and the EP degrees possible (pure arithmetic;
 test_expert_parallel.py checks the bytes against measured traffic)."""
 
+from dataclasses import replace
+
 import pytest
 
 from shardwise.planner.experts import (COUNT_BYTES, ROUTER_SKEW, all_to_all_bytes, crossing_bytes, ep_degrees,
@@ -79,6 +81,11 @@ def test_expert_parallelism_spares_gathered_experts_and_costs_all_to_all_time():
     assert not [c for c in split_time.collectives if c.name.startswith("expert")]
     plain_time = predict_step_time(spec, plain, layout, cluster, 1, 1024)
     assert split_time.data_parallel - all_to_all < plain_time.data_parallel
+    # each of the 5 exchanges per MoE layer, every microbatch, costs the rank its host time
+    four = parse_config({**split.model_dump(exclude_defaults=True), "microbatches": 4})
+    charged = replace(cluster, critical_op_seconds=1e-3)
+    assert step_seconds(spec, four, layout, charged, 1, 1024, 2) - step_seconds(spec, four, layout, cluster, 1, 1024, 2) \
+        == pytest.approx(5 * 4 * 4 * 1e-3)
 
 
 # MemTracker against the planner: a tiny Mixtral trained through shardwise's API on 2 gloo ranks, its memory in the

@@ -101,6 +101,28 @@ def test_tensor_parallel_all_reduces_are_on_the_critical_path():
     assert tp.bytes_per_step == pytest.approx(4 * 48 * 2 * 512 * 4096 * 2)   # 4 all-reduces per block
 
 
+_BLOCK_NORMS = resolve_model("gpt2-10b").block_norm_tensors
+
+
+@pytest.mark.parametrize("config, ops", [
+    ({"tensor_parallel_degree": 8}, 4 * 48),            # per block 2 all-reduces forward, 2 backward
+    ({"tensor_parallel_degree": 8, "sequence_parallel": True}, 2 * 4 * 48 + 2 + 48 * _BLOCK_NORMS),
+    ({"pipeline_parallel_degree": 4, "microbatches": 8}, 8 * 4),   # a middle stage: F and B received and sent
+    ({"pipeline_parallel_degree": 2, "microbatches": 8}, 8 * 2),   # each stage is an end
+    ({"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline_schedule": "interleaved_1f1b"}, 8 * 8),
+    ({"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline_schedule": "zbv_zero_bubble"}, 8 * 8),
+    ({"context_parallel_degree": 2}, (3 * 2 - 2) * 48),  # the ring's hops, per block
+    ({"context_parallel_degree": 2, "context_parallel_mode": "all_to_all"}, 8 * 48),  # q, k, v, out each way
+    ({"sharded_data_parallel_degree": 32}, 0),          # FSDP's collectives overlap compute
+])
+def test_each_op_on_the_critical_path_costs_its_host_time(config, ops):
+    """ClusterSpec.critical_op_seconds charges each collective or send a rank waits on, once per op; zero-bubble's
+    V shape keeps the middle stages' hop on one rank (no send)."""
+    config = {"bf16": True, **config}
+    charged = _time(config, cluster=replace(P4D, critical_op_seconds=1e-3))
+    assert charged.total - _time(config).total == pytest.approx(ops * 1e-3)
+
+
 def test_data_parallel_collectives_are_the_runtimes():
     """As bench/sharding.py counts them: DDP all-reduces fp32 gradients, ZeRO-1 then broadcasts every
     tensor from its owner during the next forward, ZeRO-2 gathers in forward only and ZeRO-3 in backward

@@ -337,7 +337,7 @@ def print_calibration(fitted, path: Path, held: list) -> None:
     for n, b, a, m in held:
         print(f"calibration: trial {n} held out: measured {m:.4f} s, predicted {b:.4f} s ({b / m - 1:+.0%}) before, "
               f"{a:.4f} s ({a / m - 1:+.0%}) by a fit on the others")
-    print("calibration: " + ", ".join(f"{k} ×{v:.3g}" for k, v in fitted.scales.items()) + f"; cluster file {path} "
+    print(f"calibration: {fitted.described()}; cluster file {path} "
           f"(shardwise plan --cluster {path})")
 
 

@@ -25,7 +25,7 @@ FORMAT = 1
 # Values a cluster file may set: those of the device, then those of the cluster.
 DEVICE_VALUES = ("peak_flops", "memory_bandwidth")
 CLUSTER_VALUES = ("intra_node_bandwidth", "intra_node_latency", "inter_node_bandwidth", "inter_node_latency",
-                  "link_efficiency")
+                  "link_efficiency", "critical_op_seconds")
 
 
 def is_cluster_file(text: str) -> bool:

@@ -195,5 +195,6 @@ def step_seconds(spec, config, layout, cluster, micro_batch: int, seq: int, elem
     else:
         bandwidth, latency = cluster.inter_node_bandwidth / cluster.devices_per_node, cluster.inter_node_latency
     tokens = micro_batch * seq / layout.cp * config.microbatches  # a rank's cp share of each sequence
-    return all_to_all_seconds(stage, tokens, ep, element_bytes, bandwidth * cluster.link_efficiency,
-                              latency)
+    exchanges = 5 * stage.moe_layers * config.microbatches   # all_to_all_seconds' exchanges, every microbatch
+    return (all_to_all_seconds(stage, tokens, ep, element_bytes, bandwidth * cluster.link_efficiency, latency)
+            + exchanges * cluster.critical_op_seconds)

@@ -120,6 +120,11 @@ class ClusterSpec:
     inter_node_latency: float     # seconds per collective step between nodes
     flat_rings: bool = False      # gloo: one ring over a group's ranks, reduce-scatter as a whole all-reduce
     link_efficiency: float = A.LINK_EFFICIENCY  # share of a link's bandwidth a collective's bytes get
+    # Host seconds each communication op a rank waits on before it computes on (tensor- and context-parallel
+    # collectives, expert all-to-alls, pipeline sends and receives) costs beyond its link time: its dispatch, and on
+    # CPU ranks gloo's copies and the wake-up of a rank that shares its core. The presets charge none (an
+    # accelerator's host issues its ops ahead of the device); calibration fits it from the trials (tune/calibrate.py).
+    critical_op_seconds: float = 0.0
 
     @property
     def topology(self) -> Cluster:

@@ -25,6 +25,7 @@ from ..config.recompute import split_policy
 from . import assumptions as A
 from . import context, efficiency, experts
 from .activations import keeps_matmuls, recomputed_elementwise_bytes, recomputed_matmul_share, region_blocks
+from ..parallel.stage_split import stage_ranks
 from .bubbles import bubble_share, busiest_rank
 from .collectives import GroupShape, LinkTime, collective_time, group_shape, p2p_time
 from .efficiency import BlockSeconds, block_seconds, head_seconds
@@ -221,7 +222,8 @@ def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: La
 
 def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: ShardwiseConfig, layers: int,
                              activation: float, recompute: bool) -> float:
-    """Seconds per microbatch of the tensor-parallel collectives, all on the critical path.
+    """Seconds per microbatch of the tensor-parallel collectives, all on the critical path, each with its host
+    time (critical_op_seconds).
 
     Megatron: per block two all-reduces of the activations forward and two backward (two more on
     recompute). Sequence parallelism (parallel/tensor/sequence.py) splits each into a reduce-scatter
@@ -230,20 +232,23 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     and sums each norm weight's gradient over the group in backward.
     """
     calls = layers * (4 + (2 if recompute else 0))
+    if traffic.layout.tp == 1:
+        return 0.0
+    op = traffic.cluster.critical_op_seconds
     if not config.sequence_parallel:
-        return traffic.add("critical", "all_reduce", calls * activation, ("tp",), "activation", calls).serial
+        return traffic.add("critical", "all_reduce", calls * activation, ("tp",), "activation", calls).serial + calls * op
     scattered = traffic.add("critical", "reduce_scatter", calls * activation, ("tp",), "activation", calls)
     gathered = traffic.add("critical", "all_gather", (calls + 2) * activation, ("tp",), "activation", calls + 2)
     norms = layers * spec.block_norm_tensors
     summed = traffic.add("critical", "all_reduce", norms * spec.hidden * compute_bytes(config), ("tp",),
                          "norm gradient", norms)
-    return (scattered + gathered + summed).serial
+    return (scattered + gathered + summed).serial + (2 * calls + 2 + norms) * op
 
 
-def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float, rounds: int, virtual: int) -> float:
+def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, config: ShardwiseConfig, activation: float) -> float:
     """Exposed pipeline sends: on every round's fill and drain, pp·v - 1 hops between chunks forward and back wait
-    for the link."""
-    layout = traffic.layout
+    for the link; and every send and receive of the busiest rank costs its host time (critical_op_seconds)."""
+    layout, virtual = traffic.layout, config.stages_per_rank
     if layout.pp == 1:
         return 0.0
     crosses = group_shape(layout, cluster.devices_per_node, ("pp",)).crosses_nodes
@@ -251,7 +256,21 @@ def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, activation: float, ro
     m = traffic.microbatches
     traffic.records.append(Collective("activation send/recv (fill and drain exposed)", "pp",
                                       2 * m * virtual * activation, send.link, 2 * m * virtual * send.serial))
-    return 2 * (layout.pp * virtual - 1) * rounds * send.serial
+    ops = m * _p2p_ops_per_microbatch(config.pipeline_schedule, layout.pp, virtual)
+    return 2 * (layout.pp * virtual - 1) * pipeline_rounds(config) * send.serial + ops * cluster.critical_op_seconds
+
+
+def _p2p_ops_per_microbatch(schedule: str, pp: int, virtual: int) -> int:
+    """Sends and receives of the busiest rank per microbatch: each of its stages receives its input and sends the
+    input's gradient back, sends its output and receives that output's gradient, where the neighbouring stage runs
+    on another rank."""
+    ranks = stage_ranks(schedule, pp, pp * virtual)
+    ops = [0] * pp
+    for s in range(1, len(ranks)):
+        if ranks[s] != ranks[s - 1]:
+            ops[ranks[s]] += 2
+            ops[ranks[s - 1]] += 2
+    return max(ops)
 
 
 def _optimizer_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec,
@@ -351,7 +370,8 @@ def _context_parallel_seconds(traffic: _Traffic, spec: ModelSpec, config: Shardw
                               recomputed: bool) -> float:
     """Seconds per microbatch context parallelism's exchanges add to the critical path (context.py): of the ring's
     hops, what outlasts the attention of the block before each; the all-to-alls whole (attention waits for them).
-    Blocks recomputed in full exchange their forward again; each hop or exchange pays the link's latency."""
+    Blocks recomputed in full exchange their forward again; each hop or exchange pays the link's latency and its
+    host time (critical_op_seconds)."""
     decisions = Decisions(config, layout)
     if not decisions.context_parallel or spec.graph_stages(layout.pp):
         return 0.0
@@ -368,12 +388,15 @@ def _context_parallel_seconds(traffic: _Traffic, spec: ModelSpec, config: Shardw
         bandwidth = cluster.intra_node_bandwidth * cluster.link_efficiency
     attention = _attention_seconds(spec, config, layout, cluster, blocks, layers, micro_batch, seq)
     exposed = context.exposed_seconds(mode, n, shape, bandwidth, attention)
-    # the ring's 3n - 2 hops (n - 1 forward, 2n - 1 backward); all-to-all: q, k, v and out each way, n - 1 steps each
-    steps = 3 * n - 2 if mode == "ring" else 8 * (n - 1)
-    per_layer = exposed + steps * latency
+    # the ring's 3n - 2 hops (n - 1 forward, 2n - 1 backward); all-to-all: q, k, v and out each way (4 forward),
+    # n - 1 steps each
+    ops, forward_ops = (3 * n - 2, n - 1) if mode == "ring" else (8, 4)
+    steps = ops if mode == "ring" else ops * (n - 1)
+    forward_steps = forward_ops if mode == "ring" else forward_ops * (n - 1)
+    per_layer = exposed + steps * latency + ops * cluster.critical_op_seconds
     if recomputed:
         forward_share = sent["forward"] / (sent["forward"] + sent["backward"])
-        per_layer += forward_share * exposed + (n - 1 if mode == "ring" else 4 * (n - 1)) * latency
+        per_layer += forward_share * exposed + forward_steps * latency + forward_ops * cluster.critical_op_seconds
     volume = (sent["forward"] * (2 if recomputed else 1) + sent["backward"]) * layers
     traffic.records.append(Collective(f"{mode.replace('_', '-')} attention exchange (exposed: beyond attention)"
                                       if mode == "ring" else "all-to-all attention exchange (critical path)", "cp",
@@ -424,8 +447,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial
                     + experts.step_seconds(spec, config, layout, cluster, micro_batch, seq, compute_bytes(config)),
                     pipeline_bubble=_pipeline_bubble(config, layout, t_mb, busy, forward + recompute, weight_grad),
-                    pipeline_p2p=_pipeline_p2p(traffic, cluster, sent, pipeline_rounds(config),
-                                               config.stages_per_rank),
+                    pipeline_p2p=_pipeline_p2p(traffic, cluster, config, sent),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster,
                                                  experts.rank_parameters(spec, layout)),
                     offload=_offload_seconds(spec, config, layout, cluster, micro_batch, seq, checkpointing,

@@ -11,8 +11,9 @@ value, fitted in log space by least squares on log(predicted / measured) over th
 search (the constants trade off against each other, where a local descent stalls), the planner itself run for
 each trial's config at every point tried (its overlaps and maxima make the step time no sum of the constants'
 shares). A small pull toward the preset keeps a constant no trial's time depends on where
-it was. The planner has no per-step host overhead (Python, launches) to fit:
-what such an overhead costs ends up in the constants above.
+it was. The host time of each communication op on the critical path (ClusterSpec.critical_op_seconds: on CPU
+ranks sharing cores, milliseconds) is fitted where the trials issue such ops; other per-step host overheads
+(Python, launches) end up in the constants above.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ CONSTANTS: dict[str, Callable[[ClusterSpec], Any]] = {
     "memory_bandwidth": lambda c: c.device.memory_bandwidth,
     "intra_node_bandwidth": lambda c: c.intra_node_bandwidth,    # a collective's, per device
     "intra_node_latency": lambda c: c.intra_node_latency,        # per collective step
+    "critical_op_seconds": lambda c: c.critical_op_seconds,      # host time per op on the critical path
 }
+# Where the cluster's own value is 0 (every preset charges no host time per critical op), the fit's scale starts
+# from this value instead: the order of a gloo op's host time on CPU ranks that share cores (a small all-reduce on
+# this project's 2-core machine took 0.5-2 ms on 2 ranks, 4-7 ms on 4). It is fitted only where a trial issues
+# such ops (tensor, context, expert or pipeline parallelism): no other trial's time depends on it.
+_REFERENCES = {"critical_op_seconds": 1e-3}
 # Fitted only on a cluster of several nodes (on one, no trial's time depends on them).
 BETWEEN_NODES: dict[str, Callable[[ClusterSpec], Any]] = {
     "inter_node_bandwidth": lambda c: c.inter_node_bandwidth,    # a node's
@@ -69,7 +76,7 @@ class Trial:
 @dataclass
 class Calibration:
     values: dict[str, Any]                   # the fitted constants (absolute), as a cluster file holds them
-    scales: dict[str, float]                 # each over the preset's value
+    scales: dict[str, float]                 # each over the preset's value (those the preset gives one)
     trials: list[int] = field(default_factory=list)
     before: list[float] = field(default_factory=list)   # predicted step time per trial, preset cluster
     after: list[float] = field(default_factory=list)    # the same, calibrated cluster
@@ -78,12 +85,18 @@ class Calibration:
     def errors(self, predicted: Sequence[float]) -> list[float]:
         return [p / m - 1 for p, m in zip(predicted, self.measured)]
 
+    def described(self) -> str:
+        """The fitted constants as people read them: each a scale on the preset's value, or its value in seconds
+        where the preset has none."""
+        return ", ".join(f"{k} ×{self.scales[k]:.3g}" if k in self.scales else f"{k} {self.values[k]:.3g} s"
+                         for k in self.values)
+
     def summary(self) -> dict[str, Any]:
         def mean_abs(errors):
             return sum(abs(e) for e in errors) / len(errors) if errors else None
 
         before, after = self.errors(self.before), self.errors(self.after)
-        return {"constants": self.values, "scales": self.scales, "trials": self.trials,
+        return {"constants": self.values, "scales": self.scales, "fitted": self.described(), "trials": self.trials,
                 "mean_abs_error_before": mean_abs(before), "mean_abs_error_after": mean_abs(after),
                 "within_10_percent_before": sum(abs(e) <= 0.1 for e in before),
                 "within_10_percent_after": sum(abs(e) <= 0.1 for e in after)}
@@ -109,7 +122,18 @@ class _Model:
                  seq: Optional[int], checkpointing: str):
         self.spec, self.cluster, self.trials = spec, cluster, list(trials)
         self.global_batch, self.seq, self.checkpointing = global_batch, seq, checkpointing
-        self.base = {name: read(cluster) for name, read in constants(cluster).items()}
+        self.preset = {name: read(cluster) for name, read in constants(cluster).items()}
+        self.base = {name: value or _REFERENCES.get(name, value) for name, value in self.preset.items()
+                     if value or self._depends_on(name)}
+
+    def _depends_on(self, name: str) -> bool:
+        """Whether some trial's predicted time changes when a constant the cluster sets to 0 takes its reference."""
+        return name in _REFERENCES and self.step_times(with_values(self.cluster, {name: _REFERENCES[name]})) \
+            != self.step_times(self.cluster)
+
+    def step_times(self, cluster: ClusterSpec) -> list[float]:
+        return [evaluate(self.spec, cluster, t.config, global_batch=self.global_batch, seq=self.seq,
+                         checkpointing=self.checkpointing).step_time for t in self.trials]
 
     def values(self, theta: Sequence[float]) -> dict[str, Any]:
         def scaled(value, t):
@@ -118,9 +142,7 @@ class _Model:
         return {name: scaled(self.base[name], t) for name, t in zip(self.base, theta)}
 
     def predict(self, theta: Sequence[float]) -> list[float]:
-        cluster = with_values(self.cluster, self.values(theta))
-        return [evaluate(self.spec, cluster, t.config, global_batch=self.global_batch, seq=self.seq,
-                         checkpointing=self.checkpointing).step_time for t in self.trials]
+        return self.step_times(with_values(self.cluster, self.values(theta)))
 
     def loss(self, theta: Sequence[float]) -> float:
         logs = [math.log(p / t.measured_step_time_s) for p, t in zip(self.predict(theta), self.trials)]
@@ -151,8 +173,9 @@ def calibrate(spec: ModelSpec, cluster: ClusterSpec, trials: Sequence[Trial], *,
         raise ValueError("no measured trial to calibrate from; run `shardwise tune` until some trial is measured")
     model = _Model(spec, cluster, usable, global_batch, seq, checkpointing)
     theta = _fit(model)
-    return Calibration(values=model.values(theta), scales={k: math.exp(t) for k, t in zip(model.base, theta)},
-                       trials=[t.trial for t in usable], before=model.predict([0.0] * len(theta)),
+    return Calibration(values=model.values(theta),
+                       scales={k: math.exp(t) for k, t in zip(model.base, theta) if model.preset[k]},
+                       trials=[t.trial for t in usable], before=model.step_times(cluster),
                        after=model.predict(theta), measured=[t.measured_step_time_s for t in usable])
 
 

@@ -80,7 +80,7 @@ def _calibration(calibrated) -> Optional[dict[str, Any]]:
             for n, m, b, a in zip(fitted.trials, fitted.measured, fitted.before, fitted.after)]
     return {"path": str(path), "rows": rows, "before": number(s["mean_abs_error_before"], ".0%"),
             "after": number(s["mean_abs_error_after"], ".0%"),
-            "scales": ", ".join(f"{k} ×{v:.3g}" for k, v in fitted.scales.items())}
+            "scales": fitted.described()}
 
 
 def render(result: TuneResult, settings: TuneSettings, calibrated=None) -> str:
