@@ -58,8 +58,8 @@ def constants(cluster: ClusterSpec) -> dict[str, Callable[[ClusterSpec], Any]]:
 
 
 _SPAN = 9.0          # each log-scale is searched in [-_SPAN, _SPAN] (×1/8000 to ×8000)
-_POPULATION = 6      # differential evolution's candidates per constant fitted
-_GENERATIONS = 30    # its generations at most (it stops earlier once the population agrees)
+_POPULATION = 10     # differential evolution's candidates per constant fitted
+_GENERATIONS = 60    # its generations at most (it stops earlier once the population agrees)
 _PULL = 1e-6         # weight of each log-scale² in the loss: a constant no trial depends on stays at the preset
 CALIBRATED_CLUSTER_FILE = "cluster.json"
 
