@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate", help="fit the planner's constants for this cluster to a tuning run's measurements",
         description="Fit the constants the planner takes from the cluster (sustained FLOP/s, memory bandwidth, "
-                    "collective bandwidth and latency inside a node, and between nodes on several) to the step "
+                    "collective bandwidth and latency inside a node, and between nodes on several; the host time "
+                    "of each communication op a rank waits on, where the trials issue such ops) to the step "
                     "times a `shardwise tune` run measured, print each trial's prediction before and after, and "
                     "write a cluster file that "
                     "`shardwise plan --cluster FILE` and `shardwise tune --cluster FILE` read. Exit 2 on bad input.")
