@@ -81,8 +81,10 @@ def test_expert_parallelism_spares_gathered_experts_and_costs_all_to_all_time():
     assert not [c for c in split_time.collectives if c.name.startswith("expert")]
     plain_time = predict_step_time(spec, plain, layout, cluster, 1, 1024)
     assert split_time.data_parallel - all_to_all < plain_time.data_parallel
-    # each of the 5 exchanges per MoE layer, every microbatch, costs the rank its host time
+    # every microbatch exchanges its own tokens, paying each exchange's latency; and each of the 5 exchanges per
+    # MoE layer, every microbatch, costs the rank its host time
     four = parse_config({**split.model_dump(exclude_defaults=True), "microbatches": 4})
+    assert step_seconds(spec, four, layout, cluster, 1, 1024, 2) == pytest.approx(4 * all_to_all)
     charged = replace(cluster, critical_op_seconds=1e-3)
     assert step_seconds(spec, four, layout, charged, 1, 1024, 2) - step_seconds(spec, four, layout, cluster, 1, 1024, 2) \
         == pytest.approx(5 * 4 * 4 * 1e-3)

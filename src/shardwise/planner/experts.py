@@ -181,7 +181,7 @@ def gathered_saving(spec, config, layout, element_bytes: int) -> float:
 
 
 def step_seconds(spec, config, layout, cluster, micro_batch: int, seq: int, element_bytes: int) -> float:
-    """`all_to_all_seconds` of one step on the busiest stage: every microbatch's tokens (activations of
+    """`all_to_all_seconds` of one step on the busiest stage, microbatch by microbatch (activations of
     `element_bytes` per element), over the links the EP group spans (neighbouring ranks of the sharding group:
     inside a node when ep × tp fits one)."""
     shape, ep = spec.experts, config.expert_parallel_degree
@@ -194,7 +194,7 @@ def step_seconds(spec, config, layout, cluster, micro_batch: int, seq: int, elem
         bandwidth, latency = cluster.intra_node_bandwidth, cluster.intra_node_latency
     else:
         bandwidth, latency = cluster.inter_node_bandwidth / cluster.devices_per_node, cluster.inter_node_latency
-    tokens = micro_batch * seq / layout.cp * config.microbatches  # a rank's cp share of each sequence
-    exchanges = 5 * stage.moe_layers * config.microbatches   # all_to_all_seconds' exchanges, every microbatch
-    return (all_to_all_seconds(stage, tokens, ep, element_bytes, bandwidth * cluster.link_efficiency, latency)
-            + exchanges * cluster.critical_op_seconds)
+    tokens = micro_batch * seq / layout.cp  # a rank's cp share of each sequence of a microbatch
+    each = all_to_all_seconds(stage, tokens, ep, element_bytes, bandwidth * cluster.link_efficiency, latency)
+    # every microbatch exchanges its own tokens and counts, paying each exchange's latency and host time
+    return config.microbatches * (each + 5 * stage.moe_layers * cluster.critical_op_seconds)
