@@ -19,11 +19,11 @@ which takes tuples and keyword arguments as they are: SMP's
 tuple, is accepted and changes nothing. A module is checkpointed by replacing
 the instance's `forward`, so it works after the model is sharded: FSDP's hooks
 sit on `__call__`, outside the recomputed region, and have unsharded the
-parameters again by the time backward recomputes. A checkpointed module called with a key/value cache while
-training runs without it, as Hugging Face's own checkpointing does: its replay would write the cache again.
-With `offload_activations` the
-inputs a region keeps go to host memory until backward needs them
-(offload.py).
+parameters again by the time backward recomputes. A checkpointed module called
+with a key/value cache while training runs without it, as Hugging Face's own
+checkpointing does: its replay would write the cache again. With
+`offload_activations` the inputs a region keeps go to host memory until backward
+needs them (offload.py).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 def lift_checkpointing(model: nn.Module) -> dict[str, Marked]:
     """Undo `set_activation_checkpointing` on every module of `model`, and say how each was checkpointed (path ->
-    (layers per region, preserve_rng_state, policy, offload)): a capture of the model's forward sees its plain forward, and the
-    regions are set again on the modules that replace these (`restore_checkpointing`)."""
+    (layers per region, preserve_rng_state, policy, offload)): a capture of the model's forward sees its plain
+    forward, and the regions are set again on the modules that replace these (`restore_checkpointing`)."""
     lifted = {}
     for path, module in model.named_modules():
         if is_checkpointed(module):
@@ -69,9 +69,10 @@ def restore_checkpointing(model: nn.Module, lifted: dict[str, Marked]) -> None:
         if path not in held:
             continue
         if size != 1:
-            raise ValueError(f"{path}: checkpointing groups of layers (strategy {'contiguous' if size is None else f'group_{size}'}) "
-                             "needs an nn.Sequential's forward, which the module-graph pipeline cut replaces by a "
-                             "captured graph; fix: set_activation_checkpointing(..., strategy='each')")
+            strategy = "contiguous" if size is None else f"group_{size}"
+            raise ValueError(f"{path}: checkpointing groups of layers (strategy {strategy}) needs an nn.Sequential's "
+                             "forward, which the module-graph pipeline cut replaces by a captured graph; fix: "
+                             "set_activation_checkpointing(..., strategy='each')")
         _checkpoint_module(held[path], preserve_rng_state, policy, offload)
 
 
