@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 
 import pytest
 import torch
@@ -357,6 +358,19 @@ def _by_name(tracker: MemTracker) -> dict[str, int]:
     return {getattr(category, "value", category): int(value) for category, value in snapshot.items()}
 
 
+def _settled(tracker: MemTracker) -> dict[str, int]:
+    """The tracker's bytes once two snapshots 20 ms apart agree: gloo's worker thread drops its reference to a
+    reduce's buffer shortly after the reduce's `wait()` returns, so a buffer just waited for may still count."""
+    last = _by_name(tracker)
+    for _ in range(100):
+        time.sleep(0.02)
+        now = _by_name(tracker)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def _gradient_bytes(model: nn.Module) -> int:
     return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
 
@@ -379,7 +393,7 @@ def measure_model_states(config: dict) -> dict:
     loop.step(0)
     tracker, snapshots = MemTracker(), {}
     tracker.track_external(loop.model.get_module(), loop.optimizer.optimizer, *masters)  # masters count as "Other"
-    loop.after_backward = lambda model: snapshots.update(backward=_by_name(tracker))
+    loop.after_backward = lambda model: snapshots.update(backward=_settled(tracker))
     with tracker:
         loop.step(1)
     snapshots["step"] = _by_name(tracker)
