@@ -49,8 +49,8 @@ def test_calibration_moves_predictions_toward_the_trials_it_was_fitted_on(record
     assert s["mean_abs_error_after"] < s["mean_abs_error_before"]
     assert set(s["constants"]) == {"peak_flops", "memory_bandwidth", "intra_node_bandwidth", "intra_node_latency",
                                    "critical_op_seconds"}  # trials 5 and 6 are tensor-parallel
-    assert "critical_op_seconds" not in s["scales"] and f"critical_op_seconds {s['constants']['critical_op_seconds']:.3g} s" \
-        in s["fitted"]
+    op = s["constants"]["critical_op_seconds"]
+    assert "critical_op_seconds" not in s["scales"] and f"critical_op_seconds {op:.3g} s" in s["fitted"]
 
 
 def test_calibration_moves_held_out_trials_toward_their_measurements(recorded):
@@ -84,9 +84,8 @@ def test_the_fit_finds_a_bandwidth_and_a_latency_that_trade_off():
     true = with_values(preset, {"peak_flops": {k: v / 2 for k, v in preset.device.peak_flops.items()},
                                 "intra_node_bandwidth": preset.intra_node_bandwidth * 0.05,
                                 "intra_node_latency": preset.intra_node_latency * 40})
-    configs = [{"zero_stage": 2, "sharded_data_parallel_degree": 4}, {"zero_stage": 3, "sharded_data_parallel_degree": 4},
-               {"zero_stage": 2, "sharded_data_parallel_degree": 2}, {"zero_stage": 3, "sharded_data_parallel_degree": 2},
-               {"shard_optimizer_state": True}, {"microbatches": 8}]
+    configs = [{"zero_stage": stage, "sharded_data_parallel_degree": n} for stage in (2, 3) for n in (4, 2)]
+    configs += [{"shard_optimizer_state": True}, {"microbatches": 8}]
     trials = [Trial(n, c, evaluate(spec, true, c, global_batch=32, seq=64).step_time)
               for n, c in enumerate(configs, 1)]
     fitted = calibrate(spec, preset, trials, global_batch=32, seq=64)
@@ -103,9 +102,9 @@ def test_the_host_time_of_critical_ops_is_fitted_where_trials_issue_them():
     preset = cluster_preset("local", devices_per_node=4)
     true = with_values(preset, {"peak_flops": {k: v / 2 for k, v in preset.device.peak_flops.items()},
                                 "critical_op_seconds": 3e-3})
-    configs = [{"zero_stage": 2, "sharded_data_parallel_degree": 4}, {"zero_stage": 3, "sharded_data_parallel_degree": 2},
-               {"tensor_parallel_degree": 2, "prescaled_batch": True}, {"microbatches": 8},
-               {"pipeline_parallel_degree": 4, "microbatches": 8}, {"pipeline_parallel_degree": 2, "microbatches": 16}]
+    configs = [{"zero_stage": stage, "sharded_data_parallel_degree": n} for stage, n in ((2, 4), (3, 2))]
+    configs += [{"tensor_parallel_degree": 2, "prescaled_batch": True}, {"microbatches": 8}]
+    configs += [{"pipeline_parallel_degree": pp, "microbatches": m} for pp, m in ((4, 8), (2, 16))]
     trials = [Trial(n, c, evaluate(spec, true, c, global_batch=32, seq=64).step_time)
               for n, c in enumerate(configs, 1)]
     fitted = calibrate(spec, preset, trials, global_batch=32, seq=64)

@@ -22,10 +22,10 @@ from ..config.schema import SPLIT_BACKWARD_SCHEDULES, ShardwiseConfig
 from ..topology import Layout
 from ..config.decisions import Decisions
 from ..config.recompute import split_policy
+from ..parallel.stage_split import stage_ranks
 from . import assumptions as A
 from . import context, efficiency, experts
 from .activations import keeps_matmuls, recomputed_elementwise_bytes, recomputed_matmul_share, region_blocks
-from ..parallel.stage_split import stage_ranks
 from .bubbles import bubble_share, busiest_rank
 from .collectives import GroupShape, LinkTime, collective_time, group_shape, p2p_time
 from .efficiency import BlockSeconds, block_seconds, head_seconds
@@ -231,12 +231,12 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     gradient in backward (where the sequence shards begin and end, outside the recomputed blocks),
     and sums each norm weight's gradient over the group in backward.
     """
-    calls = layers * (4 + (2 if recompute else 0))
     if traffic.layout.tp == 1:
         return 0.0
-    op = traffic.cluster.critical_op_seconds
+    calls, op = layers * (4 + (2 if recompute else 0)), traffic.cluster.critical_op_seconds
     if not config.sequence_parallel:
-        return traffic.add("critical", "all_reduce", calls * activation, ("tp",), "activation", calls).serial + calls * op
+        reduced = traffic.add("critical", "all_reduce", calls * activation, ("tp",), "activation", calls)
+        return reduced.serial + calls * op
     scattered = traffic.add("critical", "reduce_scatter", calls * activation, ("tp",), "activation", calls)
     gathered = traffic.add("critical", "all_gather", (calls + 2) * activation, ("tp",), "activation", calls + 2)
     norms = layers * spec.block_norm_tensors
