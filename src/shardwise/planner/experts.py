@@ -26,6 +26,9 @@ from .collectives import GroupShape
 
 ROUTER_SKEW = 1.25
 COUNT_BYTES = 8  # one int64 per expert in the counts exchange
+# All-to-alls per MoE layer and microbatch: the counts, dispatch and combine forward, dispatch and combine again
+# in backward.
+EXCHANGES_PER_LAYER = 5
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ def all_to_all_seconds(shape: ExpertShape, tokens: int, ep: int, element_bytes: 
     if ep == 1:
         return 0.0
     return (crossing_bytes(shape, tokens, ep, element_bytes, skew) / bandwidth
-            + 5 * shape.moe_layers * (ep - 1) * latency)
+            + EXCHANGES_PER_LAYER * shape.moe_layers * (ep - 1) * latency)
 
 
 def stage_expert_parameters(spec, layout) -> float:
@@ -197,4 +200,4 @@ def step_seconds(spec, config, layout, cluster, micro_batch: int, seq: int, elem
     tokens = micro_batch * seq / layout.cp  # a rank's cp share of each sequence of a microbatch
     each = all_to_all_seconds(stage, tokens, ep, element_bytes, bandwidth * cluster.link_efficiency, latency)
     # every microbatch exchanges its own tokens and counts, paying each exchange's latency and host time
-    return config.microbatches * (each + 5 * stage.moe_layers * cluster.critical_op_seconds)
+    return config.microbatches * (each + EXCHANGES_PER_LAYER * stage.moe_layers * cluster.critical_op_seconds)

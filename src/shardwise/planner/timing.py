@@ -237,12 +237,12 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     if not config.sequence_parallel:
         reduced = traffic.add("critical", "all_reduce", calls * activation, ("tp",), "activation", calls)
         return reduced.serial + calls * op
+    gathers, norms = calls + 2, layers * spec.block_norm_tensors
     scattered = traffic.add("critical", "reduce_scatter", calls * activation, ("tp",), "activation", calls)
-    gathered = traffic.add("critical", "all_gather", (calls + 2) * activation, ("tp",), "activation", calls + 2)
-    norms = layers * spec.block_norm_tensors
+    gathered = traffic.add("critical", "all_gather", gathers * activation, ("tp",), "activation", gathers)
     summed = traffic.add("critical", "all_reduce", norms * spec.hidden * compute_bytes(config), ("tp",),
                          "norm gradient", norms)
-    return (scattered + gathered + summed).serial + (2 * calls + 2 + norms) * op
+    return (scattered + gathered + summed).serial + (calls + gathers + norms) * op
 
 
 def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, config: ShardwiseConfig, activation: float) -> float:

@@ -115,8 +115,7 @@ def candidates(spec: ModelSpec, cluster: ClusterSpec, base: Mapping[str, Any], *
         random.Random(0).shuffle(distinct)
     chosen = distinct[:limit]
     if not chosen:
-        bounds = (f" and a micro batch per rank from {low or 1} to {high or 'any'}" if (low, high) != (None, None)
-                  else "")
+        bounds = f" and a micro batch per rank from {low or 1} to {high or 'any'}" if bounded else ""
         raise PlanError(f"no layout of {spec.name} fits {cluster.name} with checkpointing {checkpointing!r}{bounds}; "
                         "run `shardwise plan --explain` with the same model and cluster to see why")
     return chosen
