@@ -33,14 +33,30 @@ def test_ring_all_reduce_inside_a_node():
     assert collective_time("all_reduce", nbytes, shape, P4D).inter == 0
 
 
-def test_hierarchical_collective_shares_the_nics_of_a_node():
+def test_an_all_gather_across_nodes_is_one_flat_ring_through_every_rank():
+    """NCCL's rings span NVLink and the network (NVIDIA/nccl#530; no tree for all-gathers, #1473): every edge
+    carries 31/32 of the buffer, the 8 edges leaving a node share its NICs, and a call pays 28 steps inside
+    nodes and 3 between them (NCCL's tuning.cc)."""
     shape = group_shape(Layout(dp_shard=32), 8, ("dp_shard",))   # 4 nodes × 8 ranks
     nbytes = 8e9
     t = collective_time("all_gather", nbytes, shape, P4D, calls=10)
     per_rank_bw = P4D.inter_node_bandwidth * A.LINK_EFFICIENCY / 8
-    assert t.inter == pytest.approx(3 / 4 * nbytes / 8 / per_rank_bw + 10 * 3 * P4D.inter_node_latency)
-    assert t.intra == pytest.approx(7 / 8 * nbytes / (P4D.intra_node_bandwidth * A.LINK_EFFICIENCY)
-                                    + 10 * 7 * P4D.intra_node_latency)
+    latency = 10 * (28 * P4D.intra_node_latency + 3 * P4D.inter_node_latency)
+    assert t.inter == pytest.approx(31 / 32 * nbytes / 8 / per_rank_bw + latency)
+    assert t.intra == pytest.approx(31 / 32 * nbytes / (P4D.intra_node_bandwidth * A.LINK_EFFICIENCY))
+    hierarchical = 3 / 4 * nbytes / 8 / per_rank_bw
+    assert t.inter > 1.29 * hierarchical     # what a node's NICs carry: 31/32 of the buffer, not 3/4
+
+
+def test_an_all_reduce_across_nodes_runs_hierarchically():
+    """Reduce inside each node, all-reduce 1/8 per rank between nodes (NCCL's tree), broadcast back."""
+    shape = group_shape(Layout(dp_shard=32), 8, ("dp_shard",))
+    nbytes = 8e9
+    t = collective_time("all_reduce", nbytes, shape, P4D, calls=10)
+    per_rank_bw = P4D.inter_node_bandwidth * A.LINK_EFFICIENCY / 8
+    assert t.inter == pytest.approx(2 * 3 / 4 * nbytes / 8 / per_rank_bw + 10 * 4 * P4D.inter_node_latency)
+    assert t.intra == pytest.approx(2 * (7 / 8 * nbytes / (P4D.intra_node_bandwidth * A.LINK_EFFICIENCY)
+                                         + 10 * 7 * P4D.intra_node_latency))
 
 
 def _time(config: dict, cluster=P4D, model="gpt2-10b", micro_batch=2, seq=512, checkpointing="none"):

@@ -1,12 +1,18 @@
-"""Time of one collective on the links it crosses (ring inside a node, hierarchical across nodes).
+"""Time of one collective on the links it crosses, as NCCL runs it.
 
 Costs are per rank, in the alpha-beta model: each of a ring's steps pays the link
-latency, and each byte pays the link's bandwidth times the cluster's `link_efficiency`. A group
-that spans nodes runs hierarchically (as NCCL does across NVLink and the network):
-the intra-node part moves the whole buffer over the node's links, the inter-node
-part moves 1/r of it per rank, and all ranks of a node share the node's NICs;
-between nodes an all-reduce pays the latency of a ring or of NCCL's tree,
-whichever is less.
+latency, and each byte pays the link's bandwidth times the cluster's `link_efficiency`.
+Inside a node every collective is a ring. Across nodes:
+- an all-gather or reduce-scatter (and the broadcasts and reduces that move what they
+  would) is one flat ring through every rank of the group, its edges on NVLink inside a
+  node and on the network between nodes (NCCL's rings are flat and span both, NVIDIA/nccl#530;
+  its tree is for all-reduce only, #1473): each edge carries (n - 1)/n of the buffer, the
+  edges leaving a node share its NICs, and a call pays a step's latency per rank of the
+  ring, the network's at the node crossings (NCCL's own ring model, src/graph/tuning.cc);
+- an all-reduce runs hierarchically, as NCCL's tree reduces inside a node, all-reduces
+  between nodes and broadcasts back: the intra-node part moves the whole buffer over the
+  node's links, the inter-node part 1/r of it per rank, all ranks of a node sharing its
+  NICs, paying the latency of a ring or of the tree between nodes, whichever is less.
 On a cluster of `flat_rings` (gloo) every collective is one ring over the group's
 ranks, node by node, paced by its edge between nodes, which carries 1/n of the
 buffer per step and shares the node's link with the other groups' edges; gloo
@@ -89,26 +95,36 @@ def collective_time(kind: str, nbytes: float, shape: GroupShape, cluster: Cluste
         return _flat_ring_time(kind, nbytes, shape, cluster, calls)
     passes = _PASSES[kind]
     r, k = shape.per_node, shape.nodes
+    intra_bw = cluster.intra_node_bandwidth * cluster.link_efficiency
+    if k == 1:
+        return LinkTime(intra=passes * ((r - 1) / r * nbytes / intra_bw + calls * (r - 1) * cluster.intra_node_latency))
+    per_rank_bw = cluster.inter_node_bandwidth * cluster.link_efficiency / cluster.devices_per_node
+    if kind != "all_reduce":
+        return _spanning_ring_time(passes, nbytes, shape, cluster, calls, intra_bw, per_rank_bw)
     intra = 0.0
     if r > 1:
-        intra_bw = cluster.intra_node_bandwidth * cluster.link_efficiency
         intra = passes * ((r - 1) / r * nbytes / intra_bw + calls * (r - 1) * cluster.intra_node_latency)
-    if k == 1:
-        return LinkTime(intra=intra)
-    per_rank_bw = cluster.inter_node_bandwidth * cluster.link_efficiency / cluster.devices_per_node
     latency = calls * _inter_node_steps(kind, k) * cluster.inter_node_latency
     inter = passes * (k - 1) / k * nbytes / r / per_rank_bw + latency
     return LinkTime(intra=intra, inter=inter)
 
 
+def _spanning_ring_time(passes: int, nbytes: float, shape: GroupShape, cluster: ClusterSpec, calls: int,
+                        intra_bw: float, per_rank_bw: float) -> LinkTime:
+    """NCCL's flat ring over a group spanning nodes: every edge carries (n - 1)/n of the buffer per pass, the
+    r edges leaving a node on its NICs; the first chunk crosses the ring's n - k edges inside nodes and k - 1
+    between them (the ring's latency as NCCL's tuning.cc counts it), paid on the network side."""
+    n, r, k = shape.size, shape.per_node, shape.nodes
+    moved = passes * (n - 1) / n * nbytes
+    latency = calls * passes * ((n - k) * cluster.intra_node_latency + (k - 1) * cluster.inter_node_latency)
+    return LinkTime(intra=moved / intra_bw if r > 1 else 0.0, inter=moved / r / per_rank_bw + latency)
+
+
 def _inter_node_steps(kind: str, nodes: int) -> float:
-    """Latencies one collective pays between `nodes` nodes: a ring's passes × (nodes - 1) steps, or for an
-    all-reduce NCCL's double binary tree, up and down its depth (2 log2 nodes), whichever is fewer: NCCL picks
-    the tree where its latency wins, at many nodes and small buffers; it moves the bytes at the same rate."""
-    ring = _PASSES[kind] * (nodes - 1)
-    if kind != "all_reduce":
-        return ring
-    return min(ring, 2 * math.log2(nodes))
+    """Latencies an all-reduce pays between `nodes` nodes: a ring's 2 × (nodes - 1) steps, or NCCL's double
+    binary tree, up and down its depth (2 log2 nodes), whichever is fewer: NCCL picks the tree where its latency
+    wins, at many nodes and small buffers; it moves the bytes at the same rate."""
+    return min(_PASSES[kind] * (nodes - 1), 2 * math.log2(nodes))
 
 
 def _flat_ring_time(kind: str, nbytes: float, shape: GroupShape, cluster: ClusterSpec, calls: int) -> LinkTime:
