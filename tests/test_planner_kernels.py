@@ -100,12 +100,12 @@ def test_all_reduce_across_many_nodes_pays_tree_latency():
 
 
 def test_a_clock_or_a_power_limit_scales_the_peak():
-    assert H100_80GB.clocked(clock_mhz=1485).sustained_flops("bf16") == pytest.approx(989e12 * 0.75)
+    assert H100_80GB.clocked(clock_mhz=1372.5).sustained_flops("bf16") == pytest.approx(989e12 * 0.75)
     assert H100_80GB.clocked(power_limit_watts=350).clock_fraction == pytest.approx(0.5 ** (1 / 3))
     capped = cluster_preset("p5.48xlarge", power_limit_watts=500)
     assert _time({"bf16": True}, cluster=capped).compute > _time({"bf16": True}).compute
     with pytest.raises(PlanError, match="--peak-tflops"):
-        replace(H100_80GB, boost_clock_mhz=None).clocked(clock_mhz=1000)
+        replace(H100_80GB, peak_clock_mhz=None).clocked(clock_mhz=1000)
 
 
 def test_cli_power_limit_and_clock_lower_the_plan(capsys):
@@ -116,6 +116,7 @@ def test_cli_power_limit_and_clock_lower_the_plan(capsys):
     full = best()
     assert best("--power-limit-w", "400") < full
     assert best("--clock-mhz", "1500") < full
+    assert best("--clock-mhz", "1830") == full   # the clock the data sheet's 989 TFLOP/s is computed at
 
 
 def test_sharding_under_a_pipeline_reduces_once_per_round():

@@ -74,9 +74,9 @@ class DeviceSpec:
     fixed_mmap_threshold: bool = False   # a CPU whose ranks run with MALLOC_MMAP_THRESHOLD_ set: glibc keeps no freed
                                          # large blocks (planner.md; off by default, it costs step time)
     rates: Optional[KernelRates] = None  # kernel by kernel (efficiency.py); None: one achievable share of peak
-    boost_clock_mhz: Optional[float] = None   # the clock the data sheet's peak assumes
+    peak_clock_mhz: Optional[float] = None    # the clock the data sheet's peak is computed at
     tdp_watts: Optional[float] = None         # the board power the data sheet's peak assumes
-    clock_fraction: float = 1.0               # sustained clock / boost clock (a capped or down-clocked part)
+    clock_fraction: float = 1.0               # sustained clock / peak_clock_mhz (a capped or down-clocked part)
 
     def supports(self, dtype: str) -> bool:
         return dtype in self.peak_flops
@@ -96,9 +96,9 @@ class DeviceSpec:
         clocked apart, stays)."""
         fraction = self.clock_fraction
         if clock_mhz is not None:
-            if not self.boost_clock_mhz:
-                raise PlanError(f"{self.name} has no boost clock to scale from; give --peak-tflops instead")
-            fraction = min(1.0, clock_mhz / self.boost_clock_mhz)
+            if not self.peak_clock_mhz:
+                raise PlanError(f"{self.name} has no clock its peak is computed at; give --peak-tflops instead")
+            fraction = min(1.0, clock_mhz / self.peak_clock_mhz)
         if power_limit_watts is not None:
             if not self.tdp_watts:
                 raise PlanError(f"{self.name} has no rated board power to scale from; give --peak-tflops instead")
@@ -146,15 +146,17 @@ class ClusterSpec:
 # (compute/accelerator/README.md: A100 SXM 267.9 of 312 TFLOP/s, H100 SXM 792.1 of 989, bf16, CUDA 12.1);
 # attention, FlashAttention-2 (Dao, 2023, arXiv:2307.08691, section 4.1: forward + backward, causal, head dim
 # 128, long sequences: about 200 TFLOP/s on A100 80GB SXM4 and 335 on H100 SXM5).
-# SMs: the data sheets' 108 (A100) and 132 (H100 SXM5).
+# SMs: the data sheets' 108 (A100) and 132 (H100 SXM5). Clocks: the ones the data sheets' peaks are computed at,
+# 1410 MHz (A100) and 1830 MHz (H100 SXM5: 132 SMs x 4 tensor cores x 1024 FLOPs a clock = 989.4 TFLOP/s; the
+# 1980 MHz once widely published would give 1070; ml-engineering compute/accelerator/README.md).
 A100_RATES = KernelRates(matmul=267.9 / 312, attention=200 / 312, sms=108)
 H100_RATES = KernelRates(matmul=792.1 / 989, attention=335 / 989, sms=132)
 A100_40GB = DeviceSpec("A100-SXM4-40GB", 40 * GiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
-                       1555 * GB, 25 * GB, runtime_reserve_bytes=1 * GiB, rates=A100_RATES, boost_clock_mhz=1410,
+                       1555 * GB, 25 * GB, runtime_reserve_bytes=1 * GiB, rates=A100_RATES, peak_clock_mhz=1410,
                        tdp_watts=400)
 A100_80GB = replace(A100_40GB, name="A100-SXM4-80GB", memory_bytes=80 * GiB, memory_bandwidth=2039 * GB)
 H100_80GB = DeviceSpec("H100-SXM5-80GB", 80 * GiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
-                       3350 * GB, 50 * GB, runtime_reserve_bytes=1 * GiB, rates=H100_RATES, boost_clock_mhz=1980,
+                       3350 * GB, 50 * GB, runtime_reserve_bytes=1 * GiB, rates=H100_RATES, peak_clock_mhz=1830,
                        tdp_watts=700)
 DEVICES = {d.name: d for d in (A100_40GB, A100_80GB, H100_80GB)}
 T4_16GB = DeviceSpec("T4-16GB", 15 * GiB, {"fp32": 8.1e12, "fp16": 65e12}, 320 * GB, 12 * GB,
