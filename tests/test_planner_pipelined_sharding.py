@@ -7,15 +7,15 @@ and microbatches issue 24 of each: three units, every microbatch)."""
 from __future__ import annotations
 
 import pytest
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import shardwise as sw
 from shardwise.config import parse_config
-from shardwise.planner import cluster_preset, predict_step_time, resolve_model
+from shardwise.planner import cluster_preset, predict_memory, predict_step_time, resolve_model, spec_from_hf
 from shardwise.testing import run_distributed
 from shardwise.topology import Layout
 from test_mics_traffic import CollectiveRecorder
-from tiny_models import build, dataset, loss_fn, make_optimizer
+from tiny_models import SEQ, build, dataset, loss_fn, make_optimizer, tiny_gpt2
 
 STEPS, MICROBATCHES, ROWS = 2, 4, 4
 CONFIG = {"pipeline_parallel_degree": 2, "zero_stage": 2, "sharded_data_parallel_degree": 2,
@@ -70,3 +70,55 @@ def test_the_planner_counts_the_same_bytes_once_a_step():
     moved = {c.name.split(" (")[0]: c.bytes_per_step for c in t.collectives}
     assert moved["gradient reduce-scatter"] == pytest.approx(4 * params)
     assert moved["parameter all-gather"] == pytest.approx(4 * params)
+
+
+def _held_mid_round(config: dict) -> dict[str, int]:
+    """Bytes this rank's FSDP2 stage holds at the forward of each microbatch after its first backward, at most over
+    two steps: gradients (unsharded accumulators, or the sharded gradients) and parameters gathered whole."""
+    sw.init(config)
+    model = sw.DistributedModel(build("gpt2"))
+    optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    params = [p for m in model.modules() if isinstance(m, FSDPModule)
+              for group in [fully_shard.state(m)._fsdp_param_group] if group for p in group.fsdp_params]
+    held = {"gradients": 0, "gathered": 0}
+
+    def measure(*_):
+        grads = gathered = 0
+        for p in params:
+            whole = p.unsharded_accumulated_grad if p.unsharded_accumulated_grad is not None else p._unsharded_param.grad
+            grads += whole.numel() * whole.element_size() if whole is not None else 0
+            storage = p._unsharded_param.untyped_storage().size()
+            gathered += storage if p._unsharded_param.grad is not None or p.unsharded_accumulated_grad is not None \
+                else 0
+        held["gradients"], held["gathered"] = max(held["gradients"], grads), max(held["gathered"], gathered)
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.register_forward_pre_hook(measure)
+
+    @sw.step
+    def train_step(model, inputs, targets):
+        loss = loss_fn("gpt2", model, inputs, targets)
+        model.backward(loss)
+        return loss
+
+    for inputs, targets in sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS):
+        optimizer.zero_grad()
+        train_step(model, inputs, targets)
+        optimizer.step()
+    return held
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_stage_holds_its_gradients_and_parameters_whole_through_the_round(stage):
+    """Between its first backward and the round's reduce-scatter a stage keeps every gradient unsharded in fp32
+    (the reduction's dtype; FSDP2 accumulates the microbatches there) and every parameter gathered in bf16, under
+    ZeRO-3 too: the planner's gradients and gathered parameters for the busiest rank, within 10 %."""
+    config = {**CONFIG, "zero_stage": stage, "bf16": True}
+    held = run_distributed(_held_mid_round, 4, config, nproc_per_node=4, timeout=300)
+    spec = spec_from_hf(tiny_gpt2().config.to_dict(), "gpt2")
+    parsed = parse_config(config)
+    memory = predict_memory(spec, parsed, Layout(pp=2, dp_shard=2), 1, SEQ)
+    most = {k: max(h[k] for h in held) for k in ("gradients", "gathered")}
+    assert most["gradients"] == pytest.approx(memory.gradients, rel=0.10), (most, memory)
+    assert most["gathered"] == pytest.approx(memory.gathered_params, rel=0.10), (most, memory)

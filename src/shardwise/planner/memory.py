@@ -7,7 +7,8 @@ more (fp32 DDP = 20a, seed 003); ZeRO-1 shards the moments (8a/n on average,
 more on the busiest rank), and in bf16/fp16 keeps SMP's layout: parameters 2a and
 gradients at most 2a on every replica (buckets carry them off during backward),
 fp32 masters and moments 12a/n; ZeRO-2/3 shard all
-three (16a/n). With MiCS, n is the partition-group size; ZeRO-1 shards over every
+three (16a/n), except that a pipeline stage accumulates its gradients whole through a round
+(4a in fp32 reduction) and keeps its parameters gathered. With MiCS, n is the partition-group size; ZeRO-1 shards over every
 data-parallel rank. `offload_optimizer_state` keeps ZeRO-1's masters and moments, and
 all three of ZeRO-2/3's, in host memory (offload.py).
 
@@ -33,9 +34,9 @@ from .bubbles import rank_blocks
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
 from .spec import ModelSpec, RankCut
-from .wrapping import (comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes, gradient_fraction,
-                       in_flight_bucket_bytes, numerics, optimizer_bytes, optimizer_share, optimizer_step_bytes,
-                       shard_degrees, stored_bytes)
+from .wrapping import (accumulates_whole_gradients, comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes,
+                       gradient_fraction, in_flight_bucket_bytes, numerics, optimizer_bytes, optimizer_share,
+                       optimizer_step_bytes, reduce_bytes, shard_degrees, stored_bytes)
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,10 @@ def model_state_bytes(parameters: float, config: ShardwiseConfig, layout: Layout
     params_n, grads_n, optim_n = shard_degrees(config, layout)
     share = 1 / optim_n if optimizer_fraction is None else optimizer_fraction
     stored = stored_bytes(config)
-    return {"parameters": stored * parameters / params_n,
-            "gradients": stored * parameters / grads_n * gradient_fraction,
+    gradients = stored * parameters / grads_n * gradient_fraction
+    if accumulates_whole_gradients(config, layout):
+        gradients = reduce_bytes(config, layout) * parameters
+    return {"parameters": stored * parameters / params_n, "gradients": gradients,
             "optimizer": optimizer_bytes(config) * parameters * share}
 
 

@@ -99,6 +99,14 @@ def fully_sharded(config: ShardwiseConfig) -> bool:
     return config.effective_zero_stage >= 2
 
 
+def accumulates_whole_gradients(config: ShardwiseConfig, layout: Layout) -> bool:
+    """Whether each rank holds its stage's gradients whole through a round: torch's PipelineStage runs an FSDP2
+    stage's backward without gradient sync and without resharding, so FSDP2 accumulates every microbatch's
+    gradients unsharded (in the reduction's dtype) and keeps the parameters gathered until the round's
+    reduce-scatter."""
+    return fully_sharded(config) and Decisions(config, layout).pipelining
+
+
 def replicated_by_fsdp(config: ShardwiseConfig, layout: Layout) -> bool:
     """FSDP2's `replicate` (ZeRO-0 and fp32 ZeRO-1 with tensor or pipeline parallelism and several replicas)."""
     return Decisions(config, layout).wrapping() is Wrapping.REPLICATE
@@ -223,7 +231,7 @@ def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> 
         return 0.0
     low = compute_bytes(config)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
-    if config.effective_zero_stage != 3:
+    if config.effective_zero_stage != 3 or accumulates_whole_gradients(config, layout):
         return low * rank_params
     blocks = spec.stage_layers(layout.pp) * spec.layer_parameters / layout.tp
     in_flight = min(2, spec.stage_layers(layout.pp)) * spec.layer_parameters / layout.tp
@@ -256,12 +264,17 @@ def root_unit_parameters(spec: ModelSpec, layout: Layout) -> float:
 def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int) -> float:
     """DDP's bucket copy of every gradient; FSDP2's unsharded block gradients and their reduce-scatter input
     beside the root unit's unsharded gradients (then their reduce-scatter input), reduced in fp32 (bf16 under pure
-    bf16); ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16; pipeline send/receive buffers."""
+    bf16) — under a pipeline, whose stage accumulates its gradients whole (counted as gradients), one unit's
+    reduce-scatter input at the round's end; ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16;
+    pipeline send/receive buffers."""
     low, reduced = compute_bytes(config), reduce_bytes(config, layout)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
     if fully_sharded(config):
         block, root = spec.layer_parameters / layout.tp, root_unit_parameters(spec, layout) / layout.tp
-        buffers = root * low + max(block * (low + reduced), root * reduced)
+        if accumulates_whole_gradients(config, layout):
+            buffers = max(block, root) * reduced
+        else:
+            buffers = root * low + max(block * (low + reduced), root * reduced)
     elif config.sharded_master_weights:
         master_gradients = reduced * rank_params * optimizer_share(spec, config, layout)
         buffers = master_gradients + in_flight_bucket_bytes(spec, layout)
