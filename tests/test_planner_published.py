@@ -15,7 +15,8 @@ from shardwise.planner.families import spec_from_hf
 RUNS = yaml.safe_load((Path(__file__).parent / "planner_published_runs.yaml").read_text())
 
 # Trained runs the planner says do not fit, and why (docs/planner.md): Llama 3 405B keeps 16 microbatches of
-# activations without checkpointing on its first stage (141 GiB as shardwise would hold them).
+# activations without checkpointing on its first stage (149 GiB as shardwise would hold them at 16,384 GPUs, and
+# 209 GiB in torch's interleaved warm-up at 8,192), beside its stage's gradients whole through the round.
 NOT_FITTING = {
     "Llama 3 405B, 8192 x H100 80GB, TP 8 x PP 16 x DP 64",
     "Llama 3 405B, 16384 x H100 80GB, TP 8 x PP 16 x DP 128",
@@ -53,7 +54,7 @@ def test_the_comparison_as_measured(summary):
     assert summary.mean_absolute_error < 0.175
     assert summary.mfu_rank_correlation > 0.85
     assert summary.within(0.15) >= 16
-    assert summary.within(0.25) >= 23
+    assert summary.within(0.25) >= 24
 
 
 def test_megatron_weak_scaling_within_15_percent(summary):
