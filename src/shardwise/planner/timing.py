@@ -197,14 +197,38 @@ def _pipelined_sharding_traffic(traffic: _Traffic, config: ShardwiseConfig, layo
     them). With `experts`, the expert shares of that EP degree."""
     what = "expert " if experts else ""
     m = config.microbatches
-    split_backward = config.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
-    keeps = Decisions(config, layout).reshard_after_forward(split_backward) is False
-    gathers = 1 if keeps else min(config.pipeline_round, layout.pp)
-    traffic.add("forward", "all_gather", gathered * gathers / m, ("dp_shard",), f"{what}parameter", 1,
+    forward_gathers, backward_gathers = _pipelined_gathers(config, layout)
+    traffic.add("forward", "all_gather", gathered * forward_gathers / m, ("dp_shard",), f"{what}parameter", 1,
                 experts=experts)
-    if not keeps:
+    if backward_gathers:
         traffic.add("backward", "all_gather", gathered / m, ("dp_shard",), f"{what}parameter", 1, experts=experts)
     traffic.add("sync", "reduce_scatter", grads, ("dp_shard",), f"{what}gradient", 1, experts=experts)
+
+
+def _pipelined_gathers(config: ShardwiseConfig, layout: Layout) -> tuple[int, int]:
+    """All-gathers of a pipeline stage's parameters per step, (forward, backward): one where forward keeps them
+    gathered, else one per warm-up forward (at most pp) and one for the first backward."""
+    split_backward = config.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+    if Decisions(config, layout).reshard_after_forward(split_backward) is False:
+        return 1, 0
+    return min(config.pipeline_round, layout.pp), 1
+
+
+def _sharding_copy_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec) -> float:
+    """FSDP2's copies on the compute stream per step (torch's _fsdp_collectives): every all-gather's output copied
+    out into the parameters (read and written in the compute dtype); every reduce-scatter's input copied in from
+    the unsharded gradients, upcast to the reduction's dtype; under a pipeline, each microbatch's gradients added
+    into the unsharded accumulators (both read, the sum written) and the accumulators copied in once. Memory-bound,
+    at the streaming bandwidth; the collectives themselves wait for them, so nothing hides them."""
+    if not fully_sharded(config):
+        return 0.0
+    low, reduced, m = compute_bytes(config), reduce_bytes(config, layout), config.microbatches
+    if Decisions(config, layout).pipelining:
+        moved = 2 * low * sum(_pipelined_gathers(config, layout)) + m * (low + 2 * reduced) + 2 * reduced
+    else:
+        gathers = 2 if config.effective_zero_stage == 3 else 1
+        moved = m * (2 * low * gathers + low + reduced)
+    return moved * experts.rank_parameters(spec, layout) / cluster.device.streaming_bandwidth
 
 
 def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: Layout, spec: ModelSpec,
@@ -445,7 +469,8 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     time = StepTime(compute=(forward + backward) * m, recompute=recompute * m, tensor_parallel=tp_time * m,
                     context_parallel=cp_time * m,
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial
-                    + experts.step_seconds(spec, config, layout, cluster, micro_batch, seq, compute_bytes(config)),
+                    + experts.step_seconds(spec, config, layout, cluster, micro_batch, seq, compute_bytes(config))
+                    + _sharding_copy_seconds(spec, config, layout, cluster),
                     pipeline_bubble=_pipeline_bubble(config, layout, t_mb, busy, forward + recompute, weight_grad),
                     pipeline_p2p=_pipeline_p2p(traffic, cluster, config, sent),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster,
