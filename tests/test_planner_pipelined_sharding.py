@@ -85,11 +85,11 @@ def _held_mid_round(config: dict) -> dict[str, int]:
     def measure(*_):
         grads = gathered = 0
         for p in params:
-            whole = p.unsharded_accumulated_grad if p.unsharded_accumulated_grad is not None else p._unsharded_param.grad
-            grads += whole.numel() * whole.element_size() if whole is not None else 0
-            storage = p._unsharded_param.untyped_storage().size()
-            gathered += storage if p._unsharded_param.grad is not None or p.unsharded_accumulated_grad is not None \
-                else 0
+            whole = p.unsharded_accumulated_grad
+            whole = whole if whole is not None else p._unsharded_param.grad
+            if whole is not None:  # a backward of this round reached it: kept gathered, its gradient whole
+                grads += whole.numel() * whole.element_size()
+                gathered += p._unsharded_param.untyped_storage().size()
         held["gradients"], held["gathered"] = max(held["gradients"], grads), max(held["gathered"], gathered)
 
     for m in model.modules():

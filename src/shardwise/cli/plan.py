@@ -28,7 +28,8 @@ _CLUSTER_FLAGS = [
     ("--intra-node-latency-us", "intra_node_latency", 1e-6, float, "latency per step inside a node, µs", False),
     ("--inter-node-latency-us", "inter_node_latency", 1e-6, float, "latency per step between nodes, µs", False),
     ("--clock-mhz", "clock_mhz", 1, float, "the clock the device sustains, MHz: its preset's peak scaled from the "
-     "clock its data sheet's peak is computed at, A100 1410, H100 1830 (a capped or down-clocked part; nvidia-smi -q -d CLOCK shows it under load)", False),
+     "clock its data sheet's peak is computed at, A100 1410, H100 1830 (a capped or down-clocked part; "
+     "nvidia-smi -q -d CLOCK shows it under load)", False),
     ("--power-limit-w", "power_limit_watts", 1, float, "the board power limit, W: its preset's peak scaled by the "
      "cube root of limit / rated power (first order; --clock-mhz or --peak-tflops when known)", False),
     ("--link-efficiency", "link_efficiency", 1, fraction,

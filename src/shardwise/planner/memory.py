@@ -8,8 +8,8 @@ more on the busiest rank), and in bf16/fp16 keeps SMP's layout: parameters 2a an
 gradients at most 2a on every replica (buckets carry them off during backward),
 fp32 masters and moments 12a/n; ZeRO-2/3 shard all
 three (16a/n), except that a pipeline stage accumulates its gradients whole through a round
-(4a in fp32 reduction) and keeps its parameters gathered. With MiCS, n is the partition-group size; ZeRO-1 shards over every
-data-parallel rank. `offload_optimizer_state` keeps ZeRO-1's masters and moments, and
+(4a in fp32 reduction) and keeps its parameters gathered. With MiCS, n is the partition-group
+size; ZeRO-1 shards over every data-parallel rank. `offload_optimizer_state` keeps ZeRO-1's masters and moments, and
 all three of ZeRO-2/3's, in host memory (offload.py).
 
 A device with a runtime reserve cannot give it to tensors: a GPU's CUDA context and library
