@@ -51,10 +51,10 @@ def test_spearman_ranks():
 
 def test_the_comparison_as_measured(summary):
     print("\n" + summary.table())
-    assert summary.mean_absolute_error < 0.155
+    assert summary.mean_absolute_error < 0.16
     assert summary.mfu_rank_correlation > 0.85
     assert summary.within(0.15) >= 17
-    assert summary.within(0.25) >= 26
+    assert summary.within(0.25) >= 27
 
 
 def test_megatron_weak_scaling_within_15_percent(summary):
@@ -88,6 +88,14 @@ def test_the_published_peak_memory(summary):
 
 def test_trained_runs_predicted_not_to_fit_are_the_documented_ones(summary):
     assert set(summary.trained_but_predicted_not_to_fit) == NOT_FITTING
+
+
+def test_a_published_out_of_memory_is_predicted_not_to_fit():
+    """torchtitan's Llama 2 70B with selective op checkpointing ran at local batch 1 because batch 2 ran out of
+    memory on the 80 GB A100s (its docs/performance.md footnote at 0413364): the planner fits the one, not the other."""
+    run = next(r for r in RUNS if r["name"].endswith("selective op AC, local batch 1"))
+    assert compare(run).evaluation.fits
+    assert not compare({**run, "global_batch": 2 * run["global_batch"]}).evaluation.fits
 
 
 def test_a_power_cap_slows_the_prediction():
