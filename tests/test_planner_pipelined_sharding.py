@@ -2,11 +2,16 @@
 PipelineStage runs an FSDP2 stage's backward without gradient sync, keeps it gathered after backward and
 reduce-scatters at the round's end. Every collective of two steps (four microbatches each, one round) on
 PP 2 × ZeRO-2 over 2 ranks is counted and set beside the planner's count (without a pipeline the same model
-and microbatches issue 24 of each: three units, every microbatch)."""
+and microbatches issue 24 of each: three units, every microbatch); and what a stage holds mid-round, its
+gradients whole and its parameters gathered, set beside the planner's memory."""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, ContextManager
+
 import pytest
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import shardwise as sw
@@ -22,8 +27,8 @@ CONFIG = {"pipeline_parallel_degree": 2, "zero_stage": 2, "sharded_data_parallel
           "microbatches": MICROBATCHES}
 
 
-def _count(config: dict) -> tuple[int, dict[str, int]]:
-    """This rank's FSDP2 units and its collectives of two steps, by op."""
+def _train_two_steps(config: dict, watch: Callable[[nn.Module], ContextManager]) -> nn.Module:
+    """Tiny GPT-2 under `config`, trained two steps inside the context `watch` gives for the wrapped model."""
     sw.init(config)
     model = sw.DistributedModel(build("gpt2"))
     optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
@@ -35,11 +40,18 @@ def _count(config: dict) -> tuple[int, dict[str, int]]:
         return loss
 
     loader = sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS)
-    with CollectiveRecorder() as recorder:
+    with watch(model):
         for inputs, targets in loader:
             optimizer.zero_grad()
             train_step(model, inputs, targets)
             optimizer.step()
+    return model
+
+
+def _count(config: dict) -> tuple[int, dict[str, int]]:
+    """This rank's FSDP2 units and its collectives of two steps, by op."""
+    recorder = CollectiveRecorder()
+    model = _train_two_steps(config, lambda model: recorder)
     units = sum(isinstance(m, FSDPModule) for m in model.modules())
     by_op: dict[str, int] = {}
     for (op, _), n in recorder.counts.items():
@@ -75,37 +87,28 @@ def test_the_planner_counts_the_same_bytes_once_a_step():
 def _held_mid_round(config: dict) -> dict[str, int]:
     """Bytes this rank's FSDP2 stage holds at the forward of each microbatch after its first backward, at most over
     two steps: gradients (unsharded accumulators, or the sharded gradients) and parameters gathered whole."""
-    sw.init(config)
-    model = sw.DistributedModel(build("gpt2"))
-    optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
-    params = [p for m in model.modules() if isinstance(m, FSDPModule)
-              for group in [fully_shard.state(m)._fsdp_param_group] if group for p in group.fsdp_params]
     held = {"gradients": 0, "gathered": 0}
 
-    def measure(*_):
-        grads = gathered = 0
-        for p in params:
-            whole = p.unsharded_accumulated_grad
-            whole = whole if whole is not None else p._unsharded_param.grad
-            if whole is not None:  # a backward of this round reached it: kept gathered, its gradient whole
-                grads += whole.numel() * whole.element_size()
-                gathered += p._unsharded_param.untyped_storage().size()
-        held["gradients"], held["gathered"] = max(held["gradients"], grads), max(held["gathered"], gathered)
+    def watch(model: nn.Module) -> ContextManager:
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        params = [p for m in units for group in [fully_shard.state(m)._fsdp_param_group] if group
+                  for p in group.fsdp_params]
 
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.register_forward_pre_hook(measure)
+        def measure(*_):
+            grads = gathered = 0
+            for p in params:
+                whole = p.unsharded_accumulated_grad
+                whole = whole if whole is not None else p._unsharded_param.grad
+                if whole is not None:  # a backward of this round reached it: kept gathered, its gradient whole
+                    grads += whole.numel() * whole.element_size()
+                    gathered += p._unsharded_param.untyped_storage().size()
+            held["gradients"], held["gathered"] = max(held["gradients"], grads), max(held["gathered"], gathered)
 
-    @sw.step
-    def train_step(model, inputs, targets):
-        loss = loss_fn("gpt2", model, inputs, targets)
-        model.backward(loss)
-        return loss
+        for unit in units:
+            unit.register_forward_pre_hook(measure)
+        return contextlib.nullcontext()
 
-    for inputs, targets in sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS):
-        optimizer.zero_grad()
-        train_step(model, inputs, targets)
-        optimizer.step()
+    _train_two_steps(config, watch)
     return held
 
 

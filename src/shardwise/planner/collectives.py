@@ -96,14 +96,12 @@ def collective_time(kind: str, nbytes: float, shape: GroupShape, cluster: Cluste
     passes = _PASSES[kind]
     r, k = shape.per_node, shape.nodes
     intra_bw = cluster.intra_node_bandwidth * cluster.link_efficiency
+    intra = passes * ((r - 1) / r * nbytes / intra_bw + calls * (r - 1) * cluster.intra_node_latency) if r > 1 else 0.0
     if k == 1:
-        return LinkTime(intra=passes * ((r - 1) / r * nbytes / intra_bw + calls * (r - 1) * cluster.intra_node_latency))
+        return LinkTime(intra=intra)
     per_rank_bw = cluster.inter_node_bandwidth * cluster.link_efficiency / cluster.devices_per_node
     if kind != "all_reduce":
         return _spanning_ring_time(passes, nbytes, shape, cluster, calls, intra_bw, per_rank_bw)
-    intra = 0.0
-    if r > 1:
-        intra = passes * ((r - 1) / r * nbytes / intra_bw + calls * (r - 1) * cluster.intra_node_latency)
     latency = calls * _inter_node_steps(kind, k) * cluster.inter_node_latency
     inter = passes * (k - 1) / k * nbytes / r / per_rank_bw + latency
     return LinkTime(intra=intra, inter=inter)

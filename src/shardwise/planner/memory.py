@@ -88,9 +88,8 @@ def model_state_bytes(parameters: float, config: ShardwiseConfig, layout: Layout
     params_n, grads_n, optim_n = shard_degrees(config, layout)
     share = 1 / optim_n if optimizer_fraction is None else optimizer_fraction
     stored = stored_bytes(config)
-    gradients = stored * parameters / grads_n * gradient_fraction
-    if accumulates_whole_gradients(config, layout):
-        gradients = reduce_bytes(config, layout) * parameters
+    gradients = (reduce_bytes(config, layout) * parameters if accumulates_whole_gradients(config, layout)
+                 else stored * parameters / grads_n * gradient_fraction)
     return {"parameters": stored * parameters / params_n, "gradients": gradients,
             "optimizer": optimizer_bytes(config) * parameters * share}
 
