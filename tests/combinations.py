@@ -76,6 +76,11 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
                      "microbatches": 2}),
     # experts over the 2 cp ranks of ZeRO-3's sharding group (dp_shard × cp = expert_shard × ep), sequences over cp
     "cp-ep": (4, 4, {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2, "expert_parallel_degree": 2}),
+    # sequence parallelism keeping its gathered inputs as shards, gathered again in backward (Megatron-LM's way)
+    "sp-regather": (4, 4, {"tensor_parallel_degree": 2, "sequence_parallel": True,
+                           "sequence_parallel_regather": True}),
+    "pp-sp-regather": (4, 4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True,
+                              "sequence_parallel_regather": True, "microbatches": 2}),
     # pure bf16 (bf16 parameters, gradients, reductions and optimizer states, no fp32 master) in pipeline stages,
     # each stage's parameters stored in bf16; with the bf16 precision only, against the fp32 process
     "pp-pure-bf16": (4, 4, {"pipeline_parallel_degree": 2, "microbatches": 2, "bf16_master_weights_and_grads": True}),
@@ -115,6 +120,9 @@ VARIANT_ROWS = [
     ("pp-ep", "mixtral", "bf16", True, "each", "after", True, "none"),
     ("cp-ep", "mixtral", "bf16", True, "each", "before", True, "none"),
     ("pp-pure-bf16", "llama", "bf16", True, "each", "after", True, "none"),
+    ("sp-regather", "llama", "bf16", True, "none", "after", False, "none"),
+    ("sp-regather", "gpt2", "fp32", False, "matmul", "before", True, "none"),
+    ("pp-sp-regather", "llama", "fp32", True, "none", "after", True, "none"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {

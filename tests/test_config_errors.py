@@ -81,6 +81,15 @@ CASES = {
          "pipeline_cut": "graph"}, None,
         "sequence_parallel=True: is not available with pipeline_cut 'graph' yet; "
         "fix: cut along the blocks (pipeline_cut: blocks), or drop sequence_parallel"),
+    "regathered sequence shards without sequence parallelism": (
+        {"tensor_parallel_degree": 2, "sequence_parallel_regather": True}, None,
+        "sequence_parallel_regather=True: needs sequence_parallel (it keeps the sequence shards of the inputs "
+        "sequence parallelism gathers); fix: set sequence_parallel: true, or drop sequence_parallel_regather"),
+    "regathered sequence shards under autocast": (
+        {"tensor_parallel_degree": 2, "sequence_parallel": True, "sequence_parallel_regather": True, "bf16": True},
+        (1, 2), "sequence_parallel_regather=True: is not available under autocast (a lone replica in bf16/fp16 "
+        "without zero_stage): each linear keeps its own cast copy of the gathered input; fix: set zero_stage to 1 "
+        "or more, or drop sequence_parallel_regather"),
     "ddp off with several replicas": (
         {"ddp": False}, (1, 4),
         "ddp=False: gradients must be synchronised across the 4 data-parallel ranks"),

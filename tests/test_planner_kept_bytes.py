@@ -78,12 +78,13 @@ def test_under_autocast_blocks_keep_weight_copies_and_an_fp32_residual_stream(ca
     assert kept == pytest.approx(per_token * ROWS * seq * layers + copies, rel=0.02)
 
 
-def _tensor_parallel_kept(case: str, sequence_parallel: bool) -> tuple[int, int]:
+def _tensor_parallel_kept(case: str, sequence_parallel: bool, regather: bool = False) -> tuple[int, int]:
     """One rank of a tensor-parallel pair: the bytes its blocks keep in one training forward, and the tokens they
     see (SMP's tensor parallelism gathers the pair's batches: each rank runs both)."""
     import shardwise as sw
 
-    sw.init({"tensor_parallel_degree": 2, "sequence_parallel": sequence_parallel})
+    sw.init({"tensor_parallel_degree": 2, "sequence_parallel": sequence_parallel,
+             "sequence_parallel_regather": regather})
     model, inputs, seq = _built(case)
     inner = sw.DistributedModel(model).get_module()
     kept = peak_saved_in_blocks(inner, lambda: inner(**inputs))
@@ -91,18 +92,18 @@ def _tensor_parallel_kept(case: str, sequence_parallel: bool) -> tuple[int, int]
 
 
 @pytest.mark.parametrize("case", ["gpt2", "llama"])
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_a_tensor_parallel_blocks_kept_bytes_are_what_autograd_keeps(case, sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel, regather", [(False, False), (True, False), (True, True)])
+def test_a_tensor_parallel_blocks_kept_bytes_are_what_autograd_keeps(case, sequence_parallel, regather):
     """On 2 ranks: heads and MLP units split in two, the norms' outputs whole (torch keeps the input each
-    column-parallel linear gathered), the norms' inputs and statistics split over the sequence with sequence
-    parallelism, whole without."""
+    column-parallel linear gathered) unless gathered again in backward, the norms' inputs and statistics split
+    over the sequence with sequence parallelism, whole without."""
     from shardwise.testing import run_distributed
 
-    results = run_distributed(_tensor_parallel_kept, 2, case, sequence_parallel, timeout=300)
+    results = run_distributed(_tensor_parallel_kept, 2, case, sequence_parallel, regather, timeout=300)
     model, _, seq = _built(case)
     spec = spec_from_hf(model.config.to_dict(), case)
     per_token = block_activations(spec, seq, Numerics(4), local_node(2)["device"].kernels).per_rank(
-        2, sequence_parallel)
+        2, sequence_parallel, regather)
     for kept, tokens in results:
         assert kept == pytest.approx(per_token * tokens * model.config.num_hidden_layers, rel=0.02)
 

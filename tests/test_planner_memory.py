@@ -318,3 +318,18 @@ def test_the_optimizer_steps_temporaries_count_where_they_outlast_the_activation
     one_by_one = memory({"optimizer": {"type": "AdamW", "params": {"foreach": False}}}, gpu)  # torch's for-loop
     assert one_by_one.step_temporaries == pytest.approx(max(0.0, 2 * embedding - one_by_one.activations))
     assert one_by_one.step_temporaries < on_gpu.step_temporaries
+
+
+def test_regather_keeps_the_norms_outputs_as_sequence_shards_in_blocks_run_without_checkpointing():
+    """sequence_parallel_regather: a block run whole keeps each column-parallel input as 1/tp of the sequence
+    (test_planner_kept_bytes.py measures it); a checkpointed region keeps its input, and recomputes as before."""
+    spec = resolve_model("gpt2-10b")
+    tokens, layers = 2 * 512, spec.layers
+    per_token = block_activations(spec, 512, Numerics(2))
+    sp = dict(tp=8, sequence_parallel=True)
+    saved = (per_token.per_rank(8, True) - per_token.per_rank(8, True, True)) * tokens * layers
+    assert saved == pytest.approx(per_token.replicated * 7 / 8 * tokens * layers) and saved > 0
+    assert _acts(spec, **sp).device - _acts(spec, **sp, regather=True).device == pytest.approx(saved)
+    for strategy in ("each", "each:matmul"):
+        assert _acts(spec, **sp, regather=True, checkpointing=strategy).device == pytest.approx(
+            _acts(spec, **sp, checkpointing=strategy).device)

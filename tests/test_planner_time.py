@@ -124,6 +124,9 @@ _BLOCK_NORMS = resolve_model("gpt2-10b").block_norm_tensors
 @pytest.mark.parametrize("config, ops", [
     ({"tensor_parallel_degree": 8}, 4 * 48),            # per block 2 all-reduces forward, 2 backward
     ({"tensor_parallel_degree": 8, "sequence_parallel": True}, 2 * 4 * 48 + 2 + 48 * _BLOCK_NORMS),
+    # each block's two column-parallel inputs gathered again in backward (test_sequence_parallel.py counts them)
+    ({"tensor_parallel_degree": 8, "sequence_parallel": True, "sequence_parallel_regather": True},
+     2 * 4 * 48 + 2 + 48 * _BLOCK_NORMS + 2 * 48),
     ({"pipeline_parallel_degree": 4, "microbatches": 8}, 8 * 4),   # a middle stage: F and B received and sent
     ({"pipeline_parallel_degree": 2, "microbatches": 8}, 8 * 2),   # each stage is an end
     ({"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline_schedule": "interleaved_1f1b"}, 8 * 8),

@@ -35,6 +35,8 @@ CASES = {
     "tp2-zero3-checkpointing-microbatches": ({**ZERO3, "microbatches": 2}, True),
     "tp2-zero3-prescaled": ({**ZERO3, "prescaled_batch": True}, False),
     "tp4-prescaled": ({**SP, "tensor_parallel_degree": 4, "prescaled_batch": True}, False),
+    "tp2-regather": ({**SP, "sequence_parallel_regather": True}, False),
+    "tp2-zero3-regather-microbatches": ({**ZERO3, "sequence_parallel_regather": True, "microbatches": 2}, False),
 }
 
 
@@ -67,6 +69,17 @@ def test_reduce_scatter_and_all_gather_instead_of_all_reduce(kind, norm_weights)
     }
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_regather_gathers_each_column_parallel_input_again_in_backward(kind):
+    """Backward adds one all-gather per gathered input (attention's and the MLP's), shared by the projections
+    that read it; forward is unchanged."""
+    assert run_distributed(block_collectives, 2, kind, True, True)[0] == {
+        "forward": {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
+        "backward": {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 2, "all_reduce": 2 if kind == "llama"
+                     else 4},
+    }
+
+
 def _activation(snapshot: dict) -> int:
     return sum(by_kind.get("Activation", 0) for by_kind in snapshot.values())
 
@@ -74,9 +87,9 @@ def _activation(snapshot: dict) -> int:
 FORWARDS = 3
 
 
-def activation_bytes(kind: str, sequence: bool, checkpoint: bool) -> dict:
+def activation_bytes(kind: str, sequence: bool, checkpoint: bool, regather: bool = False) -> dict:
     """MemTracker's activation bytes on this rank after forward: in all, and per norm and block."""
-    _, _, _, model = _setup(kind, 2, True, 256, fsdp=False, sequence=sequence)
+    _, _, _, model = _setup(kind, 2, True, 256, fsdp=False, sequence=sequence, regather=regather)
     blocks = model.transformer.h if kind == "gpt2" else model.model.layers
     if checkpoint:
         for block in blocks:
@@ -123,6 +136,17 @@ def test_norm_and_residual_activations_divided_by_tp_memtracker(kind):
     assert whole["live"] - split["live"] == sum(whole["norms"].values()) // 2
     whole, split = (run_distributed(activation_bytes, 2, kind, sequence, True)[0] for sequence in (False, True))
     assert whole["live"] - split["live"] == sum(whole["blocks"].values()) // 2
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_regather_keeps_half_of_each_gathered_input_memtracker(kind):
+    """Per rank at TP 2 with sequence_parallel_regather: each block's two gathered inputs (attention's and the
+    MLP's, the residual stream's size whole) are kept as this rank's half, so the forward keeps a block output's
+    half less per gathered input; the norms and block outputs are as without it."""
+    split, regathered = (run_distributed(activation_bytes, 2, kind, True, False, regather)[0]
+                         for regather in (False, True))
+    assert (regathered["norms"], regathered["blocks"]) == (split["norms"], split["blocks"])
+    assert split["live"] - regathered["live"] == 2 * sum(split["blocks"].values())
 
 
 def odd_sequence() -> str:

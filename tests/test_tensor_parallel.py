@@ -105,7 +105,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-3)).item()
 
 
-def _setup(kind: str, tp: int, prescaled: bool, vocab: int, fsdp: bool, bf16: bool = False, sequence: bool = False):
+def _setup(kind: str, tp: int, prescaled: bool, vocab: int, fsdp: bool, bf16: bool = False, sequence: bool = False,
+           regather: bool = False):
     device = local_device(int(os.environ.get("LOCAL_RANK", 0)))
     mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp_shard", "tp"))
     torch.manual_seed(0)
@@ -113,7 +114,8 @@ def _setup(kind: str, tp: int, prescaled: bool, vocab: int, fsdp: bool, bf16: bo
     model = copy.deepcopy(reference)
     config = parse_config({"tensor_parallel_degree": tp, "prescaled_batch": prescaled, "bf16": bf16,
                            "sequence_parallel": sequence})
-    apply_tensor_parallel(model, mesh["tp"], USER_PLANS.get(kind), sequence_parallel=config.sequence_parallel)
+    apply_tensor_parallel(model, mesh["tp"], USER_PLANS.get(kind), sequence_parallel=config.sequence_parallel,
+                          regather=regather)
     if fsdp:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
         for block in (model.transformer.h if kind == "gpt2" else model.model.layers):
@@ -261,10 +263,10 @@ def test_no_rank_holds_the_group_logits():
     assert run_distributed(logits_shape, 2, False) == [[ROWS, SEQ, 256]] * 2
 
 
-def block_collectives(kind: str, sequence: bool = False) -> dict:
+def block_collectives(kind: str, sequence: bool = False, regather: bool = False) -> dict:
     """Collectives of the first block in forward and in backward (with `sequence`, it also enters the
     sequence shards: its input is cut to this rank's slice, and the slice's gradient all-gathered)."""
-    _, _, _, model = _setup(kind, 2, True, 256, fsdp=False, sequence=sequence)
+    _, _, _, model = _setup(kind, 2, True, 256, fsdp=False, sequence=sequence, regather=regather)
     hidden = torch.randn(ROWS, SEQ, 64, device=next(model.parameters()).device, requires_grad=True)
     if kind == "gpt2":
         block, extra = model.transformer.h[0], {}

@@ -33,6 +33,8 @@ from shardwise.parallel.pipeline.schedule import EvalSafeStage
 from shardwise.testing import run_distributed
 from shardwise.torch_internals import (
     ATTENTION_KERNELS,
+    active_saved_tensors_hooks,
+    in_checkpointed_region,
     FakeTensorMode,
     HigherOrderOperator,
     OpOverload,
@@ -132,6 +134,29 @@ def test_at_backward_end_runs_once_after_every_gradient():
     assert seen == [True]
     (first * 2 + second * 3).sum().backward()
     assert seen == [True, True]
+
+
+def test_active_saved_tensors_hooks_and_checkpointed_regions_are_told_apart():
+    """sequence_parallel_regather passes what it does not keep to the hooks active before it, and stands aside in a
+    checkpointed region's forward and in its recomputation."""
+    seen = []
+
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    def probe(x):
+        seen.append(in_checkpointed_region())
+        return x.sin()
+
+    assert active_saved_tensors_hooks() is None and not in_checkpointed_region()
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert active_saved_tensors_hooks() == (pack, unpack) and not in_checkpointed_region()
+    x = torch.ones(2, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(probe, x, use_reentrant=False).sum().backward()
+    assert seen == [True, True]   # forward, then the recomputation in backward
 
 
 def test_version_counts_in_place_writes_of_a_tensor_and_its_views():

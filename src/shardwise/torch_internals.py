@@ -32,7 +32,7 @@ import pickle
 from datetime import timedelta
 from functools import partial
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, MutableMapping
+from typing import Any, Callable, Iterator, MutableMapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -368,3 +368,17 @@ def flash_attention_cpu_backward(grad_out: torch.Tensor, query: torch.Tensor, ke
     """`flash_attention_cpu`'s gradients for (query, key, value), given the merged out and logsumexp."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def active_saved_tensors_hooks() -> Optional[tuple[Callable, Callable]]:
+    """The (pack, unpack) pair of the innermost saved-tensors hooks now active, or None."""
+    # torch keeps the stack in C++; `saved_tensors_hooks` exposes no way to read it.
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def in_checkpointed_region() -> bool:
+    """Whether the innermost saved-tensors hooks are torch.utils.checkpoint's (a region's forward, or its
+    recomputation in backward)."""
+    hooks = active_saved_tensors_hooks()
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+        ("_checkpoint_hook.", "_recomputation_hook."))

@@ -69,6 +69,12 @@ class Decisions:
         """Tensor-parallel ranks hold a slice of the sequence between split layers (never without tp)."""
         return self.config.sequence_parallel and self.tensor_parallel
 
+    @property
+    def sequence_parallel_regather(self) -> bool:
+        """Blocks keep each column-parallel input they gathered as its sequence shard and gather it again in
+        backward (Megatron-LM's way): the norms' outputs at 1/tp, one more all-gather per input in backward."""
+        return self.sequence_parallel and self.config.sequence_parallel_regather
+
     def sequence_fits(self, seq: int) -> bool:
         """Sequence parallelism splits every sequence evenly over the tp ranks (checked at the first block)."""
         return not self.sequence_parallel or splits_evenly(seq, self.layout.tp)

@@ -8,6 +8,7 @@ from typing import Any, Iterable, Mapping, Optional
 from ..topology import Cluster, Layout
 from ..errors import ConfigError, Problem
 from .context import combination_problems, context_problems
+from .decisions import Decisions, PrecisionMode
 from .experts import expert_problems
 from .hpz import KEY as HPZ
 from .packages import package_problems
@@ -59,6 +60,11 @@ def layout_problems(config: ShardwiseConfig, cluster: Cluster) -> tuple[Optional
     problems += _hpz_problems(config, layout, cluster)
     problems += combination_problems(config, layout.dp_replicate)
     problems += expert_problems(config, layout)
+    if config.sequence_parallel_regather and Decisions(config, layout).precision_mode() is PrecisionMode.AUTOCAST:
+        problems.append(Problem("sequence_parallel_regather", True, "is not available under autocast (a lone "
+                                "replica in bf16/fp16 without zero_stage): each linear keeps its own cast copy of "
+                                "the gathered input", "set zero_stage to 1 or more, or drop "
+                                "sequence_parallel_regather"))
     spanning = layout.spanning_group(cluster, "tp")
     if spanning and not any(p.path == "tensor_parallel_degree" for p in problems):
         problems.append(Problem("placement_strategy", config.placement_strategy,

@@ -72,6 +72,11 @@ class ShardwiseConfig(SmpOnlySettings):
         "sharding group and the model's number of experts. 1 = off.")
     sequence_parallel: bool = Field(False, description="With tensor parallelism, shard the activations between the "
                                     "split layers (norms, dropouts, residual stream) over the sequence.")
+    sequence_parallel_regather: bool = Field(
+        False, description="With sequence_parallel (Megatron-LM's way): keep only this rank's sequence shard of each "
+        "input a column-parallel layer gathers, and gather it again in backward. The norms' outputs then cost 1/tp "
+        "of their memory, for one more all-gather per column-parallel input in backward. Off: torch keeps the "
+        "gathered inputs whole.")
     context_parallel_degree: int = Field(
         1, ge=1, description="Context parallelism (SMP v2's and torchtitan's name): ranks every sequence is split over "
         "(a mesh axis cp between tp and the data-parallel axes), in load-balanced chunks; attention reaches the "

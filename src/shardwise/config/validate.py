@@ -65,6 +65,10 @@ def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
     if c.sequence_parallel and tp == 1:
         yield Problem("sequence_parallel", True, "needs tensor_parallel_degree > 1 (it shards what tensor "
                       "parallelism leaves whole)", "set tensor_parallel_degree to 2 or more, or drop sequence_parallel")
+    if c.sequence_parallel_regather and not c.sequence_parallel:
+        yield Problem("sequence_parallel_regather", True, "needs sequence_parallel (it keeps the sequence shards "
+                      "of the inputs sequence parallelism gathers)", "set sequence_parallel: true, or drop "
+                      "sequence_parallel_regather")
     if c.sequence_parallel and c.pipeline_parallel_degree > 1 and c.fp16:
         yield Problem("sequence_parallel", True, "is not available with fp16 under a pipeline yet (it does not "
                       "train the same weights as one process there)", "use bf16, or drop sequence_parallel")

@@ -151,7 +151,8 @@ def split_part(module: nn.Module, callees: list[nn.Module], tp_plan: PlanLike, *
     over the cp group; `ends`, those of them whose outputs are the model's (a pipeline's last stage; all of them by
     default), take the loss over the sequence."""
     if decisions.tensor_parallel:
-        apply_tensor_parallel(module, mesh["tp"], tp_plan, sequence_parallel=decisions.sequence_parallel)
+        apply_tensor_parallel(module, mesh["tp"], tp_plan, sequence_parallel=decisions.sequence_parallel,
+                              regather=decisions.sequence_parallel_regather)
         for callee in callees:
             TensorParallelBatch(mesh["tp"], decisions.config.prescaled_batch).install(callee)
     split_experts(module, mesh, decisions)

@@ -159,7 +159,8 @@ def _attention_bytes(spec: ModelSpec, seq: int, dtype_bytes: int, mask_bytes: in
 class BlockActivations:
     """Bytes per token one transformer block keeps, split by how tensor parallelism treats them.
 
-    `replicated`: whole on every rank (the norms' outputs, which the column-parallel linears keep);
+    `replicated`: whole on every rank (the norms' outputs, which the column-parallel linears keep; with
+    sequence parallelism gathering them again in backward, `regather`, 1/tp of the sequence like the rest);
     `sequence`: whole under plain tensor parallelism, 1/tp of the sequence with sequence parallelism
     (the residual stream as each norm's input, the norms' statistics, residual dropout masks);
     `sharded`: split over heads and MLP units.
@@ -169,8 +170,9 @@ class BlockActivations:
     sequence: float
     sharded: float
 
-    def per_rank(self, tp: int, sequence_parallel: bool = False) -> float:
-        return self.replicated + self.sequence / (tp if sequence_parallel else 1) + self.sharded / tp
+    def per_rank(self, tp: int, sequence_parallel: bool = False, regather: bool = False) -> float:
+        split = tp if sequence_parallel else 1
+        return self.replicated / (split if regather else 1) + self.sequence / split + self.sharded / tp
 
 
 def block_activations(spec: ModelSpec, seq: int, numerics: Numerics, kernels: Kernels = Kernels()) -> BlockActivations:
@@ -283,7 +285,7 @@ class ActivationMemory:
 
 def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: Numerics, tp: int, pp: int,
                      in_flight: float, checkpointing: str, offload: bool = False, loading_horizon: int = 4,
-                     kernels: Kernels = Kernels(), sequence_parallel: bool = False,
+                     kernels: Kernels = Kernels(), sequence_parallel: bool = False, regather: bool = False,
                      context_parallel: int = 1, stages: tuple[PipelineRank, ...] = ()) -> ActivationMemory:
     """Peak activation bytes on the busiest pipeline stage.
 
@@ -296,6 +298,8 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     each region's input (with sequence parallelism this rank's slice of it) and recomputes one region of one
     microbatch at a time;
     offload moves the kept inputs to the host except the `loading_horizon` regions prefetched for backward.
+    `regather` (sequence_parallel_regather) keeps the gathered inputs of blocks run without checkpointing as sequence
+    shards; a checkpointed region, and its recomputation, keeps them as without it.
     The first recompute starts once backward has passed the head, which frees the logits: so the peak is the
     larger of the head's tensors and one region's, not their sum. Autocast's weight copies count once (only
     pipelines overlap microbatches, and they do not autocast), for the blocks only while their region is
@@ -306,7 +310,9 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
         return _graph_stage_activations(spec, tokens, numerics, pp, in_flight, checkpointing)
     layers = spec.stage_layers(pp)
     copied_layers = region_blocks(checkpointing, layers) or layers     # also refuses an unknown strategy
-    block = block_activations(spec, seq, numerics, kernels).per_rank(tp, sequence_parallel) * tokens
+    per_token = block_activations(spec, seq, numerics, kernels)
+    block = per_token.per_rank(tp, sequence_parallel) * tokens
+    uncheckpointed = per_token.per_rank(tp, sequence_parallel, regather) * tokens
     kept = 0.0  # per block, what a policy keeps besides its region's input (never offloaded)
     if keeps_matmuls(checkpointing):
         kept = kept_matmul_bytes(spec, seq, numerics, kernels, tp, sequence_parallel, _policy(checkpointing)) * tokens
@@ -316,7 +322,7 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
         """(stored on the device, on the host, one region's recompute) for one microbatch of `layers` blocks."""
         group = region_blocks(checkpointing, layers)
         if not group:
-            return float(layers * block), 0.0, 0.0
+            return float(layers * uncheckpointed), 0.0, 0.0
         regions = math.ceil(layers / group)
         stored, host, recompute = regions * region_input, 0.0, group * (block - kept)
         if offload:

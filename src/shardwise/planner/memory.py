@@ -199,7 +199,8 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
                             checkpointing=checkpointing, offload=config.offload_activations and moves_to_host(device),
                             loading_horizon=config.activation_loading_horizon,
                             kernels=context.saved_kernels(mode, kernels) if decisions.context_parallel else kernels,
-                            sequence_parallel=config.sequence_parallel, context_parallel=cp,
+                            sequence_parallel=config.sequence_parallel,
+                            regather=decisions.sequence_parallel_regather, context_parallel=cp,
                             stages=(rank,) if rank else ())
     routed = experts.dispatch_activations(spec, config, layout, micro_batch, seq, checkpointing,
                                           rank.in_flight if rank else in_flight_microbatches(config, layout),

@@ -85,8 +85,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, group: int = 1,
-                microbatches: int = 1, offload: bool = False, sequence_parallel: bool = False, hpz: int = 0,
-                cp: int = 1, cp_mode: str = "ring") -> dict:
+                microbatches: int = 1, offload: bool = False, sequence_parallel: bool = False,
+                regather: bool = False, hpz: int = 0, cp: int = 1, cp_mode: str = "ring") -> dict:
     """The config keys for one candidate, leaving defaults out so the plan reads like a hand-written config.
 
     No `active_microbatches`: under the default 1f1b a round of pp or more changes nothing (pp stay in
@@ -97,6 +97,8 @@ def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, gro
         d.update(tensor_parallel_degree=tp, prescaled_batch=True)
     if sequence_parallel:
         d["sequence_parallel"] = True
+    if regather:
+        d["sequence_parallel_regather"] = True
     if cp > 1:
         d["context_parallel_degree"] = cp
         if cp_mode != "ring":
@@ -213,14 +215,17 @@ def evaluate(spec: ModelSpec, cluster: ClusterSpec, config: Union[Mapping, Shard
 def _variants(choice: _Choice, precision: str, batch: int, host: bool, ep_degrees: list[int]) -> Iterator[dict]:
     """Microbatching, activation offload and sequence parallelism for one choice: microbatch counts dividing
     the replica's batch, activation offload with checkpointing, pipelining and m > 1 where the device has
-    memory apart from the `host`'s, sequence parallelism where `_considered` found it allowed; for a model
+    memory apart from the `host`'s, sequence parallelism where `_considered` found it allowed (without
+    checkpointing also gathering its inputs again in backward, sequence_parallel_regather); for a model
     with experts each expert-parallel degree in `ep_degrees` (planner/experts.py)."""
     tp, pp, stage, group, checkpointing, sequence, hpz, cp, cp_mode = choice
+    modes = [(sp, regather) for sp in sequence for regather in (False, True)
+             if not regather or (sp and checkpointing == "none")]
     for m in (m for m in _powers_of_two(batch) if batch % m == 0):
         offloads = [False, True] if host and pp > 1 and checkpointing != "none" and m > 1 else [False]
-        for offload, sp, ep in product(offloads, sequence, ep_degrees):
-            d = config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m,
-                            offload=offload, sequence_parallel=sp, hpz=hpz, cp=cp, cp_mode=cp_mode)
+        for offload, (sp, regather), ep in product(offloads, modes, ep_degrees):
+            d = config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m, offload=offload,
+                            sequence_parallel=sp, regather=regather, hpz=hpz, cp=cp, cp_mode=cp_mode)
             yield {**d, "expert_parallel_degree": ep} if ep > 1 else d
 
 

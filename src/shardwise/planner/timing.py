@@ -253,7 +253,9 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     recompute). Sequence parallelism (parallel/tensor/sequence.py) splits each into a reduce-scatter
     and an all-gather of the same volume, all-gathers the blocks' output in forward and their input's
     gradient in backward (where the sequence shards begin and end, outside the recomputed blocks),
-    and sums each norm weight's gradient over the group in backward.
+    and sums each norm weight's gradient over the group in backward. With sequence_parallel_regather
+    each block not recomputed gathers its two column-parallel inputs again in backward, when the weight
+    gradients first need them (parallel/tensor/regather.py).
     """
     if traffic.layout.tp == 1:
         return 0.0
@@ -261,7 +263,8 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     if not config.sequence_parallel:
         reduced = traffic.add("critical", "all_reduce", calls * activation, ("tp",), "activation", calls)
         return reduced.serial + calls * op
-    gathers, norms = calls + 2, layers * spec.block_norm_tensors
+    regathers = 2 * layers if Decisions(config, traffic.layout).sequence_parallel_regather and not recompute else 0
+    gathers, norms = calls + 2 + regathers, layers * spec.block_norm_tensors
     scattered = traffic.add("critical", "reduce_scatter", calls * activation, ("tp",), "activation", calls)
     gathered = traffic.add("critical", "all_gather", gathers * activation, ("tp",), "activation", gathers)
     summed = traffic.add("critical", "all_reduce", norms * spec.hidden * compute_bytes(config), ("tp",),

@@ -50,7 +50,8 @@ def plan_for(model: nn.Module, plan: PlanLike = None, tp: Optional[int] = None) 
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike = None, *,
-                          sequence_parallel: bool = False, loss_parallel: bool = True) -> nn.Module:
+                          sequence_parallel: bool = False, regather: bool = False,
+                          loss_parallel: bool = True) -> nn.Module:
     """Split `model` in place over the 1-D `tp_mesh` and return it.
 
     Call it before data-parallel sharding (FSDP2 composes over the other axes) and
@@ -58,6 +59,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike 
     group's first rank, replicated ones are left as they are. With `loss_parallel`,
     a vocabulary head returns logits as a DTensor sharded over the vocabulary, to
     be consumed under `loss_context(model)`; otherwise the head gathers full logits.
+    With `regather` (and `sequence_parallel`) the blocks keep their gathered inputs as
+    sequence shards, gathering them again in backward (regather.py).
     """
     tp = tp_mesh.size()
     if tp == 1:
@@ -69,7 +72,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike 
     tied = tied_parameters(model)
     styles = {path: make_style(entry.spec, loss_parallel=loss_parallel) for path, entry in entries.items()}
     if sequence_parallel:
-        styles = shard_sequence(model, tp_mesh, plan, entries, styles)
+        styles = shard_sequence(model, tp_mesh, plan, entries, styles, regather)
     parallelize_module(model, tp_mesh, styles)
     _retie(model, tied)
     _localize(model, plan, tp)

@@ -26,7 +26,7 @@ it has taken the parameters over.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from ...config.decisions import splits_evenly
 from ...errors import ConfigError, Problem
 from .plan import PLAN_KEY, Entry, TensorParallelPlan, resolve
+from .regather import Regather
 from .styles import Colwise, FanOut, Rowwise, map_input
 
 KEY = "sequence_parallel"
@@ -44,14 +45,15 @@ SEQUENCE_DIM = 1
 _FEEDS_REGION = ("colwise", "colwise_qkv", "colwise_gather", "fan_out")  # styles that can read the residual stream
 
 
-def _edge_style(spec: str) -> ParallelStyle:
-    """A fresh style for a layer at the edge of the region: it reads or writes sequence shards."""
+def _edge_style(spec: str, regather: Optional[Regather]) -> ParallelStyle:
+    """A fresh style for a layer at the edge of the region: it reads or writes sequence shards (and tells
+    `regather` what it gathered)."""
     seq = Shard(SEQUENCE_DIM)
     return {
-        "colwise": lambda: Colwise(input_layouts=seq),
-        "colwise_qkv": lambda: Colwise(chunks=3, input_layouts=seq),
-        "colwise_gather": lambda: Colwise(input_layouts=seq, output_layouts=Replicate()),
-        "fan_out": lambda: FanOut(input_layouts=seq),
+        "colwise": lambda: Colwise(input_layouts=seq, regather=regather),
+        "colwise_qkv": lambda: Colwise(chunks=3, input_layouts=seq, regather=regather),
+        "colwise_gather": lambda: Colwise(input_layouts=seq, output_layouts=Replicate(), regather=regather),
+        "fan_out": lambda: FanOut(input_layouts=seq, regather=regather),
         "rowwise": lambda: Rowwise(output_layouts=seq),
     }[spec]()
 
@@ -107,13 +109,15 @@ def _within(path: str, roots: Iterable[str]) -> bool:
 
 
 def shard_sequence(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, entries: Mapping[str, Entry],
-                   styles: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+                   styles: Mapping[str, ParallelStyle], regather: bool = False) -> dict[str, ParallelStyle]:
     """Install the region's edges on the plan's first and last block; return `styles` for the sequence region.
 
     Inside the blocks, a row-parallel layer reduce-scatters over the sequence, and a
     column-parallel layer (or `fan_out`) that reads the residual stream all-gathers
     it; layers under a `fan_out` already get its gathered input. The plan's norms
     run on sequence shards. Styles given as ParallelStyle objects are kept as they are.
+    With `regather` the blocks keep each gathered input as its shard and gather it again
+    in backward (regather.py).
     """
     seq = plan.sequence
     if seq is None:
@@ -123,12 +127,15 @@ def shard_sequence(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPl
                                    f"or set {KEY} to false")])
     blocks = resolve(model, {seq.blocks: "sequence blocks"})[seq.blocks]
     fan_outs = [path for path, entry in entries.items() if entry.spec == "fan_out"]
+    keeper = Regather() if regather else None
+    for path in blocks if keeper else ():
+        keeper.attach(model.get_submodule(path))
     result = dict(styles)
     for path, entry in entries.items():
         if not _within(path, blocks) or not isinstance(entry.spec, str):
             continue
         if entry.spec == "rowwise" or (entry.spec in _FEEDS_REGION and not _within(path, fan_outs)):
-            result[path] = _edge_style(entry.spec)
+            result[path] = _edge_style(entry.spec, keeper)
     problems = []
     for pattern, paths in resolve(model, dict.fromkeys(seq.norms, "sequence norm")).items():
         for path in paths:

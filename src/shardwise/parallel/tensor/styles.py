@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import Placement
 
 from ...torch_internals import strided_shard, style_input_fn, style_output_fn
+from .regather import Regather
 
 # parameter name -> tensor dim that is split across the TP ranks
 Splits = dict[str, int]
@@ -70,9 +71,10 @@ class Colwise(ColwiseParallel):
     `loss_parallel`).
     """
 
-    def __init__(self, *, chunks: int = 1, **layouts):
+    def __init__(self, *, chunks: int = 1, regather: Optional[Regather] = None, **layouts):
         super().__init__(**layouts)
         self.chunks = chunks
+        self.regather = regather
 
     def splits(self, module: nn.Module) -> Splits:
         if is_conv1d(module):
@@ -91,11 +93,16 @@ class Colwise(ColwiseParallel):
             return outputs.to_local() if self.use_local_output else outputs
         return style_output_fn(self)(module, outputs, mesh)
 
+    def _input(self, module, inputs, mesh):
+        gathered = style_input_fn(self)(module, inputs, mesh)
+        self.regather.note(inputs[0], gathered, mesh, self.input_layouts[0].dim)
+        return gathered
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
             module, device_mesh,
             partial(_partition, self.splits(module), self.chunks, self.src_data_rank),
-            style_input_fn(self),
+            self._input if self.regather else style_input_fn(self),
             self._output,
         )
 
@@ -146,15 +153,22 @@ class FanOut(ParallelStyle):
     all-gathers it (sequence parallelism; backward reduce-scatters the summed gradient).
     """
 
-    def __init__(self, *, input_layouts: Placement = Replicate()):
+    def __init__(self, *, input_layouts: Placement = Replicate(), regather: Optional[Regather] = None):
         super().__init__()
         self.input_layouts = input_layouts
+        self.regather = regather
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def replicate(t):
+            shard = t
             if not isinstance(t, DTensor):
                 t = DTensor.from_local(t, device_mesh, [self.input_layouts], run_check=False)
-            return t if t.placements == (Replicate(),) else t.redistribute(device_mesh, [Replicate()])
+            if t.placements == (Replicate(),):
+                return t
+            gathered = t.redistribute(device_mesh, [Replicate()])
+            if self.regather:
+                self.regather.note(shard, gathered, device_mesh, self.input_layouts.dim)
+            return gathered
 
         module.register_forward_pre_hook(lambda _, args, kwargs: map_input(args, kwargs, replicate), with_kwargs=True)
         return module
