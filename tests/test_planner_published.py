@@ -1,15 +1,15 @@
 """The planner held against published, measured training runs (tests/planner_published_runs.yaml, each with its
 source and its mapping to a shardwise config). The bounds are what the model achieves, as docs/planner.md
-reports it run by run ("Held against published runs"); of the issue's goal (every run within ±15 %, Spearman
-ρ ≥ 0.8 on MFU, every trained run predicted to fit) the rank correlation is met, and these say by how much
-the rest is not."""
+reports it run by run ("Held against published runs"); the issue's goal (every run within ±15 %, Spearman
+ρ ≥ 0.8 on MFU, every trained run predicted to fit) is not met, and these say by how much."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
-from shardwise.planner.published import compare, megatron_flops_per_token, spearman, summarize
+from shardwise.planner.published import (compare, megatron_core_flops_per_token, megatron_flops_per_token,
+                                         spearman, summarize)
 from shardwise.planner.families import spec_from_hf
 
 RUNS = yaml.safe_load((Path(__file__).parent / "planner_published_runs.yaml").read_text())
@@ -43,6 +43,26 @@ def test_megatron_flops_follow_the_paper():
     assert megatron_flops_per_token(spec, 2048) == pytest.approx(per_token)
 
 
+def test_megatron_core_flops_follow_its_training_loop():
+    """megatron/training/training.py's num_floating_point_operations (2024) for a GPT of the H100 table:
+    12·l·h²·(2 + s/h + 4 + V/2lh) per token (attention with as many key/value heads as heads, a 4h MLP)."""
+    spec = spec_from_hf({"model_type": "gpt2", "n_embd": 18432, "n_layer": 112, "n_head": 144, "vocab_size": 131072,
+                         "n_positions": 4096, "tie_word_embeddings": False}, "gpt")
+    per_token = 12 * 112 * 18432 ** 2 * (2 + 4096 / 18432 + 4 + 131072 / (2 * 112 * 18432))
+    assert megatron_core_flops_per_token(spec, 4096) == pytest.approx(per_token)
+
+
+def test_megatrons_sequence_parallel_memory_lets_its_largest_h100_runs_fit():
+    """Megatron's sequence parallelism gathers each column-parallel input again in backward: as
+    sequence_parallel_regather the 314B and 462B runs fit in 80 GB; keeping the gathered inputs, as torch's
+    styles do, they would not."""
+    for name in ("Megatron-core GPT 314B", "Megatron-core GPT 462B"):
+        run = next(r for r in RUNS if r["name"].startswith(name))
+        assert run["config"]["sequence_parallel_regather"] and compare(run).fits
+        kept = {**run, "config": {k: v for k, v in run["config"].items() if k != "sequence_parallel_regather"}}
+        assert not compare(kept).fits
+
+
 def test_spearman_ranks():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -51,10 +71,10 @@ def test_spearman_ranks():
 
 def test_the_comparison_as_measured(summary):
     print("\n" + summary.table())
-    assert summary.mean_absolute_error < 0.16
-    assert summary.mfu_rank_correlation > 0.85
-    assert summary.within(0.15) >= 17
-    assert summary.within(0.25) >= 27
+    assert summary.mean_absolute_error < 0.165
+    assert summary.mfu_rank_correlation > 0.74
+    assert summary.within(0.15) >= 20
+    assert summary.within(0.25) >= 33
 
 
 def test_megatron_weak_scaling_within_15_percent(summary):
@@ -65,7 +85,9 @@ def test_megatron_weak_scaling_within_15_percent(summary):
 
 
 def test_no_run_is_off_by_more_than_60_percent(summary):
-    assert all(-0.2 < c.error < 0.6 for c in summary.comparisons), \
+    """The lowest are Megatron-core's tensor-parallel runs on H100, whose collectives Megatron overlaps with the
+    matmuls (--tp-comm-overlap) and shardwise does not: charged on the critical path, 13-25 % of their steps."""
+    assert all(-0.35 < c.error < 0.6 for c in summary.comparisons), \
         [(c.name, f"{c.error:+.0%}") for c in summary.comparisons]
 
 

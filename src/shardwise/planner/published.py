@@ -34,7 +34,19 @@ def megatron_flops_per_token(spec: ModelSpec, seq: int) -> float:
     return 96 * l * h * h * (1 + seq / (6 * h) + spec.vocab / (16 * l * h))
 
 
-_CONVENTIONS = {"megatron": megatron_flops_per_token,
+def megatron_core_flops_per_token(spec: ModelSpec, seq: int) -> float:
+    """FLOPs per token as Megatron-LM counts them since 2024 (`num_floating_point_operations` in
+    megatron/training/training.py): model FLOPs without recompute, attention over the whole sequence, the logits
+    once, 12·l·h²·((1 + g/a + s/h)·q + f/h·(3/2 if gated) + V/2lh) with g key/value heads of a, q the query width
+    over h, f the MLP width."""
+    l, h = spec.layers, spec.hidden
+    query = spec.heads * (h // spec.heads) / h
+    attention = (1 + spec.kv_heads / spec.heads + seq / h) * query
+    mlp = spec.ffn / h * (1.5 if spec.gated_mlp else 1.0)
+    return 12 * l * h * h * (attention + mlp + spec.vocab / (2 * l * h))
+
+
+_CONVENTIONS = {"megatron": megatron_flops_per_token, "megatron-core": megatron_core_flops_per_token,
                 "6N+12lhs": lambda spec, seq: spec.flops_per_token(seq)}
 
 
