@@ -25,9 +25,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ...torch_internals import active_saved_tensors_hooks, in_checkpointed_region
 
-KEY = "sequence_parallel_regather"
-
-
 @dataclass(eq=False)
 class _Gathered:
     """One gathered input: the shard it came from (as the outer hooks packed it) and, in backward, the gathered
