@@ -50,8 +50,10 @@ def _sharding(e: Evaluation) -> str:
 
 
 def _tensor_parallel(e: Evaluation) -> str:
-    """The tensor-parallel degree, `sp` added with sequence parallelism."""
-    return f"{e.layout.tp}" + (" sp" if e.config.get("sequence_parallel") else "")
+    """The tensor-parallel degree, `sp` added with sequence parallelism (`sp regather` gathering its inputs again
+    in backward)."""
+    sequence = " sp regather" if e.config.get("sequence_parallel_regather") else " sp"
+    return f"{e.layout.tp}" + (sequence if e.config.get("sequence_parallel") else "")
 
 
 def _context_parallel(e: Evaluation) -> str:
@@ -113,7 +115,9 @@ def _collectives_table(e: Evaluation) -> Table:
 
 def _degrees(e: Evaluation) -> str:
     text = " ".join(f"{k}={v}" for k, v in e.layout.degrees().items())
-    return text + (" sequence_parallel" if e.config.get("sequence_parallel") else "")
+    sequence = " sequence_parallel" + (" sequence_parallel_regather" if e.config.get("sequence_parallel_regather")
+                                       else "")
+    return text + (sequence if e.config.get("sequence_parallel") else "")
 
 
 def print_plan(plan: Plan, top: int, explain: bool, console: Optional[Console] = None) -> None:
