@@ -21,7 +21,7 @@ import shardwise as sw
 from shardwise.testing import run_distributed
 from shardwise.config.layout import layout_for
 from shardwise.topology import Cluster
-from tiny_models import build, dataset, loss_fn, make_optimizer
+from tiny_models import train_watched
 
 WORLD, PER_NODE = 4, 2
 STEPS, MICROBATCHES, ROWS = 2, 2, 2
@@ -46,22 +46,8 @@ class CollectiveRecorder(TorchDispatchMode):
 
 def record_training(config: dict) -> Counter:
     """Two steps of the seed's loop under `config`; this rank's collectives by (op, group ranks)."""
-    sw.init({**config, "microbatches": MICROBATCHES})
-    model = sw.DistributedModel(build("gpt2"))
-    optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
-
-    @sw.step
-    def train_step(model, inputs, targets):
-        loss = loss_fn("gpt2", model, inputs, targets)
-        model.backward(loss)
-        return loss
-
-    loader = sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS)
-    with CollectiveRecorder() as recorder:
-        for inputs, targets in loader:
-            optimizer.zero_grad()
-            train_step(model, inputs, targets)
-            optimizer.step()
+    recorder = CollectiveRecorder()
+    train_watched("gpt2", {**config, "microbatches": MICROBATCHES}, STEPS, ROWS, lambda model: recorder)
     return recorder.counts
 
 

@@ -8,50 +8,28 @@ gradients whole and its parameters gathered, set beside the planner's memory."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 import pytest
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-import shardwise as sw
 from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, predict_memory, predict_step_time, resolve_model, spec_from_hf
 from shardwise.testing import run_distributed
 from shardwise.topology import Layout
 from test_mics_traffic import CollectiveRecorder
-from tiny_models import SEQ, build, dataset, loss_fn, make_optimizer, tiny_gpt2
+from tiny_models import SEQ, tiny_gpt2, train_watched
 
 STEPS, MICROBATCHES, ROWS = 2, 4, 4
 CONFIG = {"pipeline_parallel_degree": 2, "zero_stage": 2, "sharded_data_parallel_degree": 2,
           "microbatches": MICROBATCHES}
 
 
-def _train_two_steps(config: dict, watch: Callable[[nn.Module], ContextManager]) -> nn.Module:
-    """Tiny GPT-2 under `config`, trained two steps inside the context `watch` gives for the wrapped model."""
-    sw.init(config)
-    model = sw.DistributedModel(build("gpt2"))
-    optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
-
-    @sw.step
-    def train_step(model, inputs, targets):
-        loss = loss_fn("gpt2", model, inputs, targets)
-        model.backward(loss)
-        return loss
-
-    loader = sw.data_loader(dataset("gpt2", STEPS * ROWS * sw.dp_size()), batch_size=ROWS)
-    with watch(model):
-        for inputs, targets in loader:
-            optimizer.zero_grad()
-            train_step(model, inputs, targets)
-            optimizer.step()
-    return model
-
-
 def _count(config: dict) -> tuple[int, dict[str, int]]:
     """This rank's FSDP2 units and its collectives of two steps, by op."""
     recorder = CollectiveRecorder()
-    model = _train_two_steps(config, lambda model: recorder)
+    model = train_watched("gpt2", config, STEPS, ROWS, lambda model: recorder)
     units = sum(isinstance(m, FSDPModule) for m in model.modules())
     by_op: dict[str, int] = {}
     for (op, _), n in recorder.counts.items():
@@ -108,7 +86,7 @@ def _held_mid_round(config: dict) -> dict[str, int]:
             unit.register_forward_pre_hook(measure)
         return contextlib.nullcontext()
 
-    _train_two_steps(config, watch)
+    train_watched("gpt2", config, STEPS, ROWS, watch)
     return held
 
 

@@ -14,7 +14,7 @@ that frozen parameters pass through every sharding mode.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -207,6 +207,24 @@ def train_seed_loop(model, kind: str, steps: int, rows: int) -> dict:
         optimizer.step()
     state = model.full_state_dict()  # every rank gathers
     return {"losses": losses, "dp_size": sw.dp_size(), "state": state if sw.rank() == 0 else None}
+
+
+def train_watched(kind: str, config: dict, steps: int, rows: int, watch: Callable[[nn.Module], ContextManager]):
+    """`kind` under `config`, the seed's loop with AdamW for `steps` steps of `rows` per data-parallel rank, inside the
+    context `watch` gives for the DistributedModel (a collective recorder, a memory tracker); the model."""
+    import shardwise as sw
+
+    sw.init(config)
+    model = sw.DistributedModel(build(kind))
+    optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    train_step = seed_step(kind)
+    loader = sw.data_loader(dataset(kind, steps * rows * sw.dp_size()), batch_size=rows)
+    with watch(model):
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            train_step(model, inputs, targets)
+            optimizer.step()
+    return model
 
 
 # Adam's step g/(sqrt(v)+eps) turns the rounding noise of tiny gradients into noise in
