@@ -81,6 +81,8 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
                            "sequence_parallel_regather": True}),
     "pp-sp-regather": (4, 4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True,
                               "sequence_parallel_regather": True, "microbatches": 2}),
+    "cp-tp-sp-regather": (4, 4, {"context_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True,
+                                 "sequence_parallel_regather": True}),
     # pure bf16 (bf16 parameters, gradients, reductions and optimizer states, no fp32 master) in pipeline stages,
     # each stage's parameters stored in bf16; with the bf16 precision only, against the fp32 process
     "pp-pure-bf16": (4, 4, {"pipeline_parallel_degree": 2, "microbatches": 2, "bf16_master_weights_and_grads": True}),
@@ -123,6 +125,7 @@ VARIANT_ROWS = [
     ("sp-regather", "llama", "bf16", True, "none", "after", False, "none"),
     ("sp-regather", "gpt2", "fp32", False, "matmul", "before", True, "none"),
     ("pp-sp-regather", "llama", "fp32", True, "none", "after", True, "none"),
+    ("cp-tp-sp-regather", "gpt2", "fp32", False, "none", "before", False, "none"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {
