@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ...torch_internals import active_saved_tensors_hooks, in_checkpointed_region
 
+
 @dataclass(eq=False)
 class _Gathered:
     """One gathered input: the shard it came from (as the outer hooks packed it) and, in backward, the gathered
