@@ -7,9 +7,10 @@ and small microbatches lose what they lose. Attention runs a fused (flash) kerne
 measured forward and backward (a run on the older Triton kernel: slower by the factor FlashAttention-2's paper
 measured), skipping the masked half of a causal sequence; without one (CPU dropout, or a
 run that used none) its two products are matmuls and its s × s scores stream through memory. Everything else
-(norms, activations, dropout, residual adds, rotary) is memory-bound: every tensor a block keeps for backward
-is written and read once forward and read, and its gradient written and read, in backward (activations.py
-counts them). A device without a table (a CPU rank, a cluster described by flags) keeps one achievable
+(norms, activations, dropout, residual adds, rotary) is memory-bound: a Llama block's ops counted one by one as
+eager PyTorch runs them (eager_ops.py); other blocks' as every tensor the block keeps for backward written and
+read once forward and read, and its gradient written and read, in backward (activations.py counts them). A
+device without a table (a CPU rank, a cluster described by flags) keeps one achievable
 fraction of peak for everything (assumptions.ACHIEVABLE_FLOPS_FRACTION).
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from . import assumptions as A
 from .activations import Numerics, block_activations
+from .eager_ops import counts_op_by_op, eager_llama_bytes
 from .hardware import DeviceSpec, Kernels
 from .spec import ModelSpec
 
@@ -128,6 +130,10 @@ def block_seconds(spec: ModelSpec, tokens: float, seq: int, numerics: Numerics, 
     products = sum(_matmul(tokens, k, n, low, device, peak) for k, n in shapes)
     gradients = sum(_matmul_backward(tokens, k, n, low, device, peak) for k, n in shapes)
     attention_fwd, attention_bwd = _attention(spec, tokens, seq, low, tp, device.kernels, device, peak)
+    if counts_op_by_op(spec, numerics):
+        forward, backward = eager_llama_bytes(spec, numerics, device.kernels, tp, sequence_parallel)
+        return BlockSeconds(products, attention_fwd, forward * tokens / device.streaming_bandwidth,
+                            gradients, attention_bwd, backward * tokens / device.streaming_bandwidth)
     kept = block_activations(spec, seq, numerics, device.kernels).per_rank(tp, sequence_parallel) * tokens
     if not (device.kernels.flash_attention and (device.kernels.flash_attention_dropout
                                                 or spec.attention_dropout == 0)):

@@ -44,6 +44,12 @@ class Kernels:
     # llm-foundry's `attn_impl: triton` runs: flash attention's memory, at FlashAttention-2's rate over
     # assumptions.TRITON_FLASH_ATTENTION_SLOWDOWN.
     triton_flash_attention: bool = False
+    # Rotary embedding as products of complex fp32 numbers (torchtitan's `apply_rotary_emb`: upcast, multiply, cast
+    # back), where Hugging Face's `rotate_half` negates and concatenates halves (planner/eager_ops.py).
+    complex_rotary: bool = False
+    # Key and value heads copied out for each query head before attention (torchtitan's `repeat_kv`), where Hugging
+    # Face's SDPA path passes grouped heads to the kernel (`enable_gqa`).
+    repeated_kv_copies: bool = False
 
 
 @dataclass(frozen=True)

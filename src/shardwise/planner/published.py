@@ -24,7 +24,8 @@ _CLUSTER_UNITS = {"nodes": 1, "devices_per_node": 1, "device_memory_gib": GiB, "
 _CLUSTER_KEYS = {"device_memory_gib": "device_memory_bytes", "device_memory_bandwidth_gbs": "memory_bandwidth",
                  "intra_node_gbs": "intra_node_bandwidth", "inter_node_gbs": "inter_node_bandwidth"}
 # The run's kernels (hardware.Kernels), as its source states them.
-_KERNEL_KEYS = ("flash_attention", "fused_rmsnorm", "fused_cross_entropy", "triton_flash_attention")
+_KERNEL_KEYS = ("flash_attention", "fused_rmsnorm", "fused_cross_entropy", "triton_flash_attention", "complex_rotary",
+                "repeated_kv_copies")
 
 
 def megatron_flops_per_token(spec: ModelSpec, seq: int) -> float:
