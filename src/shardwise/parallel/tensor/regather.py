@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ...torch_internals import active_saved_tensors_hooks, in_checkpointed_region
+from ..local import local_tensor
 
 
 @dataclass(eq=False)
@@ -64,10 +65,6 @@ class _Kept:
     global_stride: Optional[tuple[int, ...]] = None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 @dataclass(eq=False)
 class _BlockScope:
     """The hooks of one block's forward: gathered inputs by their storage, the outer hooks to pass the rest to.
@@ -80,17 +77,17 @@ class _BlockScope:
 
     def note(self, shard: torch.Tensor, gathered: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
         pack, unpack = self.outer or (lambda t: t, lambda t: t)
-        full = _local(gathered)
+        full = local_tensor(gathered)
         self.gathered[full.untyped_storage().data_ptr()] = (
-            _Gathered(pack(_local(shard).detach()), mesh, dim, unpack), full)
+            _Gathered(pack(local_tensor(shard).detach()), mesh, dim, unpack), full)
 
     def pack(self, t: torch.Tensor) -> Any:
-        found = self.gathered.get(_local(t).untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        found = self.gathered.get(local_tensor(t).untyped_storage().data_ptr()) if t.device.type != "meta" else None
         source = found[0] if found else None
         if source is None:
             return self.outer[0](t) if self.outer else t
         source.pending += 1
-        local = _local(t)
+        local = local_tensor(t)
         kept = _Kept(source, local.size(), local.stride(), local.storage_offset())
         if isinstance(t, DTensor):
             kept.placements, kept.mesh = t.placements, t.device_mesh
