@@ -179,7 +179,7 @@ def test_same_math_as_one_process(case, schedule):
     check(config, run_distributed(train_all, world, config, timeout=300))
 
 
-COMPOSED = {  # name: (config, activation checkpointing); all on 4 ranks, pp 2 × dp 2
+COMPOSED = {  # name: (config, activation checkpointing); all on 4 ranks, pp 2 × dp 2 (or × tp 2)
     # Two stages per rank, looped; ZeRO-2 shards each stage's gradients over its dp pair.
     "interleaved-1f1b-zero2": ({"pipeline_schedule": "interleaved_1f1b", "zero_stage": 2,
                                 "sharded_data_parallel_degree": 2}, False),
@@ -189,6 +189,12 @@ COMPOSED = {  # name: (config, activation checkpointing); all on 4 ranks, pp 2 �
     # V-shaped: the first and the last stage (embedding and its tied head) on pp rank 0.
     "zbv-zero-bubble-zero1-clipping": ({"pipeline_schedule": "zbv_zero_bubble", "shard_optimizer_state": True,
                                         "gradient_clipping": 0.5}, False),
+    # Two stages per rank under tensor and sequence parallelism (pp 2 × tp 2): each stage's run of blocks is one
+    # sequence-parallel region, the hidden states passing between stages whole.
+    "interleaved-1f1b-tp2-sp": ({"pipeline_schedule": "interleaved_1f1b", "tensor_parallel_degree": 2,
+                                 "sequence_parallel": True}, False),
+    "zbv-zero-bubble-tp2-sp-regather": ({"pipeline_schedule": "zbv_zero_bubble", "tensor_parallel_degree": 2,
+                                         "sequence_parallel": True, "sequence_parallel_regather": True}, False),
     # Rounds of one microbatch: below pp, 1F1B's rounds run as GPipe.
     "1f1b-active-1-zero3": ({"pipeline_schedule": "1f1b", "active_microbatches": 1,
                              "sharded_data_parallel_degree": 2}, True),

@@ -145,18 +145,23 @@ def pipeline_settings(decisions: Decisions) -> PipelineSettings:
 
 
 def split_part(module: nn.Module, callees: list[nn.Module], tp_plan: PlanLike, *, mesh: ParallelMesh,
-               decisions: Decisions, ends: Optional[list[nn.Module]] = None) -> None:
+               decisions: Decisions, starts: Optional[list[nn.Module]] = None,
+               ends: Optional[list[nn.Module]] = None) -> None:
     """Tensor, expert and context parallelism over `module` (placed, equal on every rank); each of `callees`, the
     modules the step calls, gathers or splits the batch inside the tensor-parallel group and splits its sequences
-    over the cp group; `ends`, those of them whose outputs are the model's (a pipeline's last stage; all of them by
-    default), take the loss over the sequence."""
+    over the cp group; `starts` and `ends`, those of them whose inputs and outputs are the model's (a pipeline's
+    first and last stage; all of them by default), enter the sequence-parallel region and leave it, and `ends` take
+    the loss over the sequence."""
+    starts = callees if starts is None else starts
+    ends = callees if ends is None else ends
     if decisions.tensor_parallel:
         apply_tensor_parallel(module, mesh["tp"], tp_plan, sequence_parallel=decisions.sequence_parallel,
-                              regather=decisions.sequence_parallel_regather)
+                              regather=decisions.sequence_parallel_regather, region_starts=starts,
+                              region_ends=ends)
         for callee in callees:
             TensorParallelBatch(mesh["tp"], decisions.config.prescaled_batch).install(callee)
     split_experts(module, mesh, decisions)
-    split_context(module, callees, callees if ends is None else ends, mesh, decisions)
+    split_context(module, callees, ends, mesh, decisions)
 
 
 def wrap_part(part: nn.Module, *, mesh: ParallelMesh, decisions: Decisions, reshard_after_forward: bool = True,

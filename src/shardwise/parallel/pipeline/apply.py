@@ -48,7 +48,8 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSetti
                    zero1: Optional[Callable[..., OptimizerBinding]] = None) -> PipelineParallel:
     """Reduce `model` in place to this rank's pipeline stages and return what runs them. `split_part(model,
     callees, plan, ends=...)` and `wrap_part(part, reshard_after_forward=...)` are the composition's own steps (compose.py),
-    applied here to the stages; `zero1(deferred=...)`: ZeRO-1's binding given the tied copies the pipeline sums
+    applied here to the stages (the first and last
+    stage's hold the model's inputs and outputs); `zero1(deferred=...)`: ZeRO-1's binding given the tied copies the pipeline sums
     itself (None without ZeRO-1)."""
     pp_mesh = mesh["pp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
@@ -68,6 +69,7 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSetti
     tp = settings.tensor_parallel_degree
     plan = stage_plan(model, tp_plan, tp) if tp > 1 else None
     split_part(model, [stage.module for stage in stages], plan,
+               starts=[stage.module for stage in stages if stage.is_first],
                ends=[stage.module for stage in stages if stage.is_last])
     # A mixture of experts' load-balancing sums run over every stage's layers: split_part installs them over the
     # data-parallel ranks; with one data-parallel rank they still span the stages.

@@ -10,7 +10,7 @@ like the unsplit model's and `full_tensor()` gives the whole weight back.
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,7 +51,8 @@ def plan_for(model: nn.Module, plan: PlanLike = None, tp: Optional[int] = None) 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike = None, *,
                           sequence_parallel: bool = False, regather: bool = False,
-                          loss_parallel: bool = True) -> nn.Module:
+                          region_starts: Optional[Sequence[nn.Module]] = None,
+                          region_ends: Optional[Sequence[nn.Module]] = None, loss_parallel: bool = True) -> nn.Module:
     """Split `model` in place over the 1-D `tp_mesh` and return it.
 
     Call it before data-parallel sharding (FSDP2 composes over the other axes) and
@@ -60,7 +61,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike 
     a vocabulary head returns logits as a DTensor sharded over the vocabulary, to
     be consumed under `loss_context(model)`; otherwise the head gathers full logits.
     With `regather` (and `sequence_parallel`) the blocks keep their gathered inputs as
-    sequence shards, gathering them again in backward (regather.py).
+    sequence shards, gathering them again in backward (regather.py). The sequence-parallel
+    region begins at the first block of each of `region_starts` and ends at the last block
+    of each of `region_ends` (a pipeline's first and last stage views, which share `model`'s
+    blocks; stages between pass sequence shards); `model` by default.
     """
     tp = tp_mesh.size()
     if tp == 1:
@@ -72,7 +76,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike 
     tied = tied_parameters(model)
     styles = {path: make_style(entry.spec, loss_parallel=loss_parallel) for path, entry in entries.items()}
     if sequence_parallel:
-        styles = shard_sequence(model, tp_mesh, plan, entries, styles, regather)
+        styles = shard_sequence(model, tp_mesh, plan, entries, styles, regather,
+                                (model,) if region_starts is None else region_starts,
+                                (model,) if region_ends is None else region_ends)
     parallelize_module(model, tp_mesh, styles)
     _retie(model, tied)
     _localize(model, plan, tp)

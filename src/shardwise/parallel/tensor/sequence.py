@@ -26,7 +26,7 @@ it has taken the parameters over.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -109,8 +109,11 @@ def _within(path: str, roots: Iterable[str]) -> bool:
 
 
 def shard_sequence(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, entries: Mapping[str, Entry],
-                   styles: Mapping[str, ParallelStyle], regather: bool = False) -> dict[str, ParallelStyle]:
-    """Install the region's edges on the plan's first and last block; return `styles` for the sequence region.
+                   styles: Mapping[str, ParallelStyle], regather: bool = False, starts: Sequence[nn.Module] = (),
+                   ends: Sequence[nn.Module] = ()) -> dict[str, ParallelStyle]:
+    """Install the region's edges, on the first block of each of `starts` and the last block of each of `ends`
+    (the model itself, or a pipeline's first and last stage views: the stages between hand each other sequence
+    shards); return `styles` for the sequence region.
 
     Inside the blocks, a row-parallel layer reduce-scatters over the sequence, and a
     column-parallel layer (or `fan_out`) that reads the residual stream all-gathers
@@ -146,8 +149,11 @@ def shard_sequence(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPl
             result[path] = SequenceNorm()
     if problems:
         raise ConfigError(problems)
-    first, last = model.get_submodule(blocks[0]), model.get_submodule(blocks[-1])
-    first.register_forward_pre_hook(
-        lambda _, args, kwargs: map_input(args, kwargs, partial(_scatter, mesh=tp_mesh)), with_kwargs=True)
-    last.register_forward_hook(lambda _, args, outputs: _map_output(outputs, partial(_gather, mesh=tp_mesh)))
+    for start in starts:
+        first = start.get_submodule(resolve(start, {seq.blocks: "sequence blocks"})[seq.blocks][0])
+        first.register_forward_pre_hook(
+            lambda _, args, kwargs: map_input(args, kwargs, partial(_scatter, mesh=tp_mesh)), with_kwargs=True)
+    for end in ends:
+        last = end.get_submodule(resolve(end, {seq.blocks: "sequence blocks"})[seq.blocks][-1])
+        last.register_forward_hook(lambda _, args, outputs: _map_output(outputs, partial(_gather, mesh=tp_mesh)))
     return result
