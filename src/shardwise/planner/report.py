@@ -49,11 +49,18 @@ def _sharding(e: Evaluation) -> str:
             + (" offload" if e.config.get("offload_optimizer_state") else ""))
 
 
+def _sequence_keys(e: Evaluation) -> list[str]:
+    """The sequence-parallel keys the config sets: sequence_parallel, and sequence_parallel_regather with it."""
+    if not e.config.get("sequence_parallel"):
+        return []
+    return ["sequence_parallel"] + (["sequence_parallel_regather"] if e.config.get("sequence_parallel_regather")
+                                    else [])
+
+
 def _tensor_parallel(e: Evaluation) -> str:
     """The tensor-parallel degree, `sp` added with sequence parallelism (`sp regather` gathering its inputs again
     in backward)."""
-    sequence = " sp regather" if e.config.get("sequence_parallel_regather") else " sp"
-    return f"{e.layout.tp}" + (sequence if e.config.get("sequence_parallel") else "")
+    return f"{e.layout.tp}" + ("", " sp", " sp regather")[len(_sequence_keys(e))]
 
 
 def _context_parallel(e: Evaluation) -> str:
@@ -114,10 +121,7 @@ def _collectives_table(e: Evaluation) -> Table:
 
 
 def _degrees(e: Evaluation) -> str:
-    text = " ".join(f"{k}={v}" for k, v in e.layout.degrees().items())
-    sequence = " sequence_parallel" + (" sequence_parallel_regather" if e.config.get("sequence_parallel_regather")
-                                       else "")
-    return text + (sequence if e.config.get("sequence_parallel") else "")
+    return " ".join([*(f"{k}={v}" for k, v in e.layout.degrees().items()), *_sequence_keys(e)])
 
 
 def print_plan(plan: Plan, top: int, explain: bool, console: Optional[Console] = None) -> None:

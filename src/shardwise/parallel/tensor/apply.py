@@ -76,9 +76,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike 
     tied = tied_parameters(model)
     styles = {path: make_style(entry.spec, loss_parallel=loss_parallel) for path, entry in entries.items()}
     if sequence_parallel:
-        styles = shard_sequence(model, tp_mesh, plan, entries, styles, regather,
-                                (model,) if region_starts is None else region_starts,
-                                (model,) if region_ends is None else region_ends)
+        styles = shard_sequence(model, tp_mesh, plan, entries, styles, regather, region_starts, region_ends)
     parallelize_module(model, tp_mesh, styles)
     _retie(model, tied)
     _localize(model, plan, tp)

@@ -65,29 +65,33 @@ class _Kept:
     global_stride: Optional[tuple[int, ...]] = None
 
 
+def _as_is(t: Any) -> Any:
+    return t
+
+
 @dataclass(eq=False)
 class _BlockScope:
-    """The hooks of one block's forward: gathered inputs by their storage, the outer hooks to pass the rest to.
+    """The hooks of one block's forward: gathered inputs by their storage, the outer (pack, unpack) pair to pass
+    the rest to (keeping tensors as they are when no hooks were active).
 
     Each gathered tensor is held until the block's forward ends, so no later tensor of the block can take its
     memory, and with it its address."""
 
-    outer: Optional[tuple[Callable, Callable]]
+    outer: tuple[Callable, Callable]
     gathered: dict[int, tuple[_Gathered, torch.Tensor]] = field(default_factory=dict)
 
     def note(self, shard: torch.Tensor, gathered: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
-        pack, unpack = self.outer or (lambda t: t, lambda t: t)
         full = local_tensor(gathered)
         self.gathered[full.untyped_storage().data_ptr()] = (
-            _Gathered(pack(local_tensor(shard).detach()), mesh, dim, unpack), full)
+            _Gathered(self.outer[0](local_tensor(shard).detach()), mesh, dim, self.outer[1]), full)
 
     def pack(self, t: torch.Tensor) -> Any:
-        found = self.gathered.get(local_tensor(t).untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        source = found[0] if found else None
-        if source is None:
-            return self.outer[0](t) if self.outer else t
-        source.pending += 1
         local = local_tensor(t)
+        found = self.gathered.get(local.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if found is None:
+            return self.outer[0](t)
+        source = found[0]
+        source.pending += 1
         kept = _Kept(source, local.size(), local.stride(), local.storage_offset())
         if isinstance(t, DTensor):
             kept.placements, kept.mesh = t.placements, t.device_mesh
@@ -96,7 +100,7 @@ class _BlockScope:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Kept):
-            return self.outer[1](packed) if self.outer else packed
+            return self.outer[1](packed)
         view = packed.source.gathered().as_strided(packed.size, packed.stride, packed.offset)
         if packed.mesh is None:
             return view
@@ -105,11 +109,11 @@ class _BlockScope:
 
 
 class Regather:
-    """The blocks' scopes, entered around each block's forward (not inside a checkpointed region) and told of each
-    gathered input by the region's column-parallel styles."""
+    """The blocks' scopes, entered around each block's forward (none inside a checkpointed region, or without
+    grad) and told of each gathered input by the region's column-parallel styles."""
 
     def __init__(self) -> None:
-        self._scopes: list[tuple[_BlockScope, Optional[saved_tensors_hooks]]] = []
+        self._scopes: list[Optional[tuple[_BlockScope, saved_tensors_hooks]]] = []
 
     def attach(self, block: nn.Module) -> None:
         block.register_forward_pre_hook(lambda *_: self._enter())
@@ -117,20 +121,21 @@ class Regather:
 
     def _enter(self) -> None:
         if not torch.is_grad_enabled() or in_checkpointed_region():
-            self._scopes.append((_BlockScope(None), None))   # nothing kept here: gathered inputs stay untracked
+            self._scopes.append(None)   # nothing kept here: gathered inputs stay untracked
             return
-        scope = _BlockScope(active_saved_tensors_hooks())
+        scope = _BlockScope(active_saved_tensors_hooks() or (_as_is, _as_is))
         hooks = saved_tensors_hooks(scope.pack, scope.unpack)
         hooks.__enter__()
         self._scopes.append((scope, hooks))
 
     def _exit(self) -> None:
-        scope, hooks = self._scopes.pop()
-        if hooks is not None:
+        entered = self._scopes.pop()
+        if entered is not None:
+            scope, hooks = entered
             hooks.__exit__(None, None, None)
-        scope.gathered.clear()
+            scope.gathered.clear()
 
     def note(self, shard: torch.Tensor, gathered: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
         """`gathered` (a DTensor or its local tensor) was all-gathered over `mesh` from this rank's `shard`."""
-        if self._scopes and self._scopes[-1][1] is not None:
+        if self._scopes and self._scopes[-1] is not None:
             self._scopes[-1][0].note(shard, gathered, mesh, dim)

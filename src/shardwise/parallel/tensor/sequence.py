@@ -109,11 +109,12 @@ def _within(path: str, roots: Iterable[str]) -> bool:
 
 
 def shard_sequence(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, entries: Mapping[str, Entry],
-                   styles: Mapping[str, ParallelStyle], regather: bool = False, starts: Sequence[nn.Module] = (),
-                   ends: Sequence[nn.Module] = ()) -> dict[str, ParallelStyle]:
+                   styles: Mapping[str, ParallelStyle], regather: bool = False,
+                   starts: Optional[Sequence[nn.Module]] = None,
+                   ends: Optional[Sequence[nn.Module]] = None) -> dict[str, ParallelStyle]:
     """Install the region's edges, on the first block of each of `starts` and the last block of each of `ends`
-    (the model itself, or a pipeline's first and last stage views: the stages between hand each other sequence
-    shards); return `styles` for the sequence region.
+    (the model itself by default, or a pipeline's first and last stage views: the stages between hand each other
+    sequence shards); return `styles` for the sequence region.
 
     Inside the blocks, a row-parallel layer reduce-scatters over the sequence, and a
     column-parallel layer (or `fan_out`) that reads the residual stream all-gathers
@@ -149,11 +150,11 @@ def shard_sequence(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPl
             result[path] = SequenceNorm()
     if problems:
         raise ConfigError(problems)
-    for start in starts:
+    for start in (model,) if starts is None else starts:
         first = start.get_submodule(resolve(start, {seq.blocks: "sequence blocks"})[seq.blocks][0])
         first.register_forward_pre_hook(
             lambda _, args, kwargs: map_input(args, kwargs, partial(_scatter, mesh=tp_mesh)), with_kwargs=True)
-    for end in ends:
+    for end in (model,) if ends is None else ends:
         last = end.get_submodule(resolve(end, {seq.blocks: "sequence blocks"})[seq.blocks][-1])
         last.register_forward_hook(lambda _, args, outputs: _map_output(outputs, partial(_gather, mesh=tp_mesh)))
     return result
