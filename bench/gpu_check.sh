@@ -27,7 +27,11 @@ print('python', sys.version.split()[0], '| torch', torch.__version__, 'cuda', to
 cat "$RESULTS/env.txt"
 
 status=0
-timeout 300 python3 -m pytest -q -m cuda -rfEsP -p no:cacheprovider --durations=15 \
+# A line per test as it ends, and (where pytest-timeout is installed) a hung test stopped alone, so a tier cut
+# short by its limit still says which tests ran and which one hung.
+per_test=()
+python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
+timeout 300 python3 -m pytest -v -m cuda -rfEsP -p no:cacheprovider --durations=15 "${per_test[@]}" \
     --junitxml="$RESULTS/cuda_tier.xml" tests/test_cuda_*.py > "$RESULTS/cuda_tier.log" 2>&1 || status=1
 timeout 160 python3 bench/gpu_check.py "$RESULTS" > "$RESULTS/bench.log" 2>&1 || status=1
 
