@@ -5,7 +5,7 @@ one-rank mesh, parameters in fp32 and compute in bf16):
 
 - `torch eager`: torch's own `fully_shard` per block and at the root, MixedPrecisionPolicy(bf16);
 - `torch compiled`: the same with each block compiled (`block.compile()`, as torchtitan does);
-- `shardwise`: `sw.init({"sharded_data_parallel_degree": 1, "bf16": True})` and the seed's loop.
+- `shardwise`: `sw.init({"zero_stage": 3, "bf16": True})` and the seed's loop.
 
 Each run warms up, then times its steps with the device synchronised around them and
 reports the median step, tokens/s, MFU (6·N + 12·L·h·s FLOPs per token, N the matmul
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import shardwise as sw
 from shardwise.config import parse_config
@@ -45,7 +46,7 @@ from shardwise.runtime.devices import backend_for, local_device
 from shardwise.topology import Cluster
 
 GB = 1e9
-SHARDWISE_CONFIG = {"sharded_data_parallel_degree": 1, "bf16": True}
+SHARDWISE_CONFIG = {"zero_stage": 3, "bf16": True}
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def run_shardwise(size: Size, device: torch.device) -> dict:
         optimizer.step()
         return loss
 
-    result = _finish(timed(step, batches(size, device), size, device), model, optimizer)
+    sharded = isinstance(next(model.parameters()), DTensor)  # ZeRO-3: FSDP2's shards, as the torch runs
+    result = _finish(timed(step, batches(size, device), size, device), model, optimizer) | {"sharded": sharded}
     state.set_current(None)  # the process group stays for the next run
     return result
 

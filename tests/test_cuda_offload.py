@@ -76,7 +76,8 @@ def train_with_optimizer_offload(config: dict) -> dict:
     model = sw.DistributedModel(build("gpt2", freeze_key_bias=True))
     optimizer = sw.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
     losses = _train(model, optimizer)
-    stepped = [_local(p) for group in optimizer.param_groups for p in group["params"]]
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}  # never stepped: they stay where they are
+    stepped = [_local(p) for group in optimizer.param_groups for p in group["params"] if id(p) not in frozen]
     states = [_local(v) for s in optimizer.optimizer.state.values() for v in s.values()
               if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {"losses": losses, "state": {k: v.detach().cpu() for k, v in model.full_state_dict().items()},
@@ -92,7 +93,7 @@ def _same_training(got: dict, want: dict) -> None:
     assert worst <= TOLERANCE
 
 
-@pytest.mark.parametrize("config", [{"shard_optimizer_state": True}, {"sharded_data_parallel_degree": 1}],
+@pytest.mark.parametrize("config", [{"shard_optimizer_state": True}, {"zero_stage": 3}],
                          ids=["zero1", "zero3"])
 def test_optimizer_states_live_in_pinned_host_memory_and_train_the_same(config):
     [(offloaded, plain)] = run_distributed(offloaded_and_plain, 1, config, timeout=300)

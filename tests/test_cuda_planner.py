@@ -43,9 +43,9 @@ MODELS = {
 LAYOUTS = {
     "DDP": {},
     "ZeRO-1": {"shard_optimizer_state": True},
-    "ZeRO-3": {"sharded_data_parallel_degree": 1},
+    "ZeRO-3": {"zero_stage": 3},
     "DDP bf16": {"bf16": True},
-    "ZeRO-3 bf16": {"sharded_data_parallel_degree": 1, "bf16": True},
+    "ZeRO-3 bf16": {"zero_stage": 3, "bf16": True},
 }
 
 
@@ -68,7 +68,7 @@ def measure_on_device(family: str, config: dict) -> dict:
     model = sw.DistributedModel(model_class(hf_config))
     cpu_check.StepMemory.watch(model.parameters())
     optimizer = sw.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)).to(next(model.parameters()).device)
     batch = {"input_ids": ids, "labels": ids}
     allocator = {}
 

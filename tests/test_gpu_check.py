@@ -29,6 +29,7 @@ def test_dry_run_writes_the_table_and_shardwise_trains_as_raw_torch(tmp_path):
     for run in runs.values():
         assert run["step_s"] > 0 and run["tokens_per_s"] > 0 and 0 < run["mfu"] and math.isfinite(run["loss"])
     assert runs["torch compiled"]["loss"] == pytest.approx(runs["torch eager"]["loss"], rel=1e-6)
+    assert runs["shardwise"]["sharded"]  # ZeRO-3, as the torch runs' FSDP2
     assert runs["shardwise"]["loss"] == pytest.approx(runs["torch eager"]["loss"], rel=1e-3)  # bf16's rounding
     assert result["planner"]["step_s"] > 0 and result["planner"]["tensor_bytes"] > 0
     table = (tmp_path / "gpu_check.md").read_text()
