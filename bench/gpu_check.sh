@@ -4,9 +4,13 @@
 # Needs the wheels bench/gpu_wheels.sh downloads into .gpu_wheels/. Writes into RESULTS: env.txt (GPU, driver,
 # torch), cuda_tier.log and cuda_tier.xml (pytest -m cuda), bench.log, gpu_check.json and gpu_check.md.
 # Sized for under 8 minutes on one H200 (each part has its own time limit). DEVELOPERS.md says how to run it.
-# Usage, from the repository root: bash bench/gpu_check.sh RESULTS
+# Usage, from the repository root: bash bench/gpu_check.sh RESULTS [TEST_FILE ...]
+# (test files: the tier's part to run, e.g. to rerun what failed; all of tests/test_cuda_*.py by default)
 set -uo pipefail
-RESULTS=${1:?usage: bash bench/gpu_check.sh RESULTS}
+RESULTS=${1:?usage: bash bench/gpu_check.sh RESULTS [TEST_FILE ...]}
+shift
+TESTS=("$@")
+[ ${#TESTS[@]} -gt 0 ] || TESTS=(tests/test_cuda_*.py)
 cd "$(dirname "$0")/.."
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
@@ -32,7 +36,7 @@ status=0
 per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
 timeout 300 python3 -m pytest -v -m cuda -rfEsP -p no:cacheprovider --durations=15 "${per_test[@]}" \
-    --junitxml="$RESULTS/cuda_tier.xml" tests/test_cuda_*.py > "$RESULTS/cuda_tier.log" 2>&1 || status=1
+    --junitxml="$RESULTS/cuda_tier.xml" "${TESTS[@]}" > "$RESULTS/cuda_tier.log" 2>&1 || status=1
 timeout 160 python3 bench/gpu_check.py "$RESULTS" > "$RESULTS/bench.log" 2>&1 || status=1
 
 echo "== CUDA tier (full log: cuda_tier.log) =="

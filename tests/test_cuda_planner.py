@@ -13,6 +13,8 @@ The kernel facts are a GPU's (the H100 preset's: flash attention, bool dropout m
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import transformers
@@ -62,6 +64,10 @@ def measure_on_device(family: str, config: dict) -> dict:
     from shardwise.runtime import state
 
     cpu_check._categories = _device_categories  # the same StepMemory, reading the device's memory
+    gc.collect()
+    torch.accelerator.empty_cache()
+    # What the cases before left allocated (each case runs in the same process) is not this step's.
+    left = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
     sw.init(config)
     torch.manual_seed(0)
     model_class, hf_config = MODELS[family]
@@ -91,7 +97,8 @@ def measure_on_device(family: str, config: dict) -> dict:
         optimizer.step()
         if memory:
             torch.accelerator.synchronize()
-            allocator.update(allocated=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved())
+            allocator.update(allocated=torch.cuda.max_memory_allocated() - left["allocated"],
+                             reserved=torch.cuda.max_memory_reserved() - left["reserved"], left=left["allocated"])
 
     parameters = {id(p) for p in model.parameters()}
     masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in parameters]
@@ -124,7 +131,8 @@ def test_predicted_memory_matches_the_caching_allocator(family, name, device_run
                        f"({summary[k] / max(measured[k], 1) - 1:+.1%})"
                        for k in (*cpu_check.STATES, "activations", "peak"))
     print(f"\n{family} {name}: {report}; allocator peak {measured['allocated'] / 2**20:,.1f} MiB, "
-          f"reserved {measured['reserved'] / 2**20:,.1f} MiB, predicted total {predicted.total / 2**20:,.1f} MiB")
+          f"reserved {measured['reserved'] / 2**20:,.1f} MiB, predicted total {predicted.total / 2**20:,.1f} MiB "
+          f"(left by the cases before: {measured['left'] / 2**20:,.1f} MiB)")
     for category in cpu_check.STATES:
         assert summary[category] == pytest.approx(measured[category], rel=0.10), f"{category}: {report}"
     assert summary["activations"] == pytest.approx(measured["activations"], rel=0.25), report
