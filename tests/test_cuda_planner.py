@@ -6,14 +6,13 @@ rank of the device, measured as test_planner_measured.py measures CPU ranks:
 MemTracker's categories (on the device's memory) within ±10 % for the model
 states and ±25 % for the activations, and the step's peak — here
 `torch.cuda.max_memory_allocated` — at most the predicted tensor total and within
-25 % of it. `max_memory_reserved` (what the allocator holds, fragmentation
-included) must stay under the predicted total, whose runtime reserve covers it.
+25 % of it, less what the allocator holds for no tensor when the step ends (cuBLAS's
+workspaces, which the planner counts in its runtime reserve). `max_memory_reserved` (what the allocator holds, fragmentation and
+workspaces included) must stay under the predicted total.
 The kernel facts are a GPU's (the H100 preset's: flash attention, bool dropout masks).
 """
 
 from __future__ import annotations
-
-import gc
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from shardwise.config import parse_config
 from shardwise.config.layout import layout_for
 from shardwise.planner import predict_memory, spec_from_hf
 from shardwise.planner.hardware import DEVICES
-from shardwise.testing import run_distributed
+from shardwise.testing import run_distributed, shutdown_pools
 from shardwise.topology import Cluster
 
 pytestmark = [pytest.mark.cuda,
@@ -64,10 +63,6 @@ def measure_on_device(family: str, config: dict) -> dict:
     from shardwise.runtime import state
 
     cpu_check._categories = _device_categories  # the same StepMemory, reading the device's memory
-    gc.collect()
-    torch.accelerator.empty_cache()
-    # What the cases before left allocated (each case runs in the same process) is not this step's.
-    left = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
     sw.init(config)
     torch.manual_seed(0)
     model_class, hf_config = MODELS[family]
@@ -97,8 +92,9 @@ def measure_on_device(family: str, config: dict) -> dict:
         optimizer.step()
         if memory:
             torch.accelerator.synchronize()
-            allocator.update(allocated=torch.cuda.max_memory_allocated() - left["allocated"],
-                             reserved=torch.cuda.max_memory_reserved() - left["reserved"], left=left["allocated"])
+            tracked = _device_categories(memory.tracker, "current")["Total"]
+            allocator.update(allocated=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved(),
+                             untracked=torch.cuda.memory_allocated() - tracked)
 
     parameters = {id(p) for p in model.parameters()}
     masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in parameters]
@@ -107,16 +103,17 @@ def measure_on_device(family: str, config: dict) -> dict:
     return {**measured, **allocator}
 
 
-def measure_all(cases: list[tuple[str, str]]) -> dict:
-    return {f"{family} {name}": measure_on_device(family, LAYOUTS[name]) for family, name in cases}
-
-
 CASES = [(family, name) for family in MODELS for name in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
 def device_runs() -> dict:
-    [runs] = run_distributed(measure_all, 1, CASES, timeout=240)
+    """Each case in a process of its own: one run after another in a process held a few hundred MiB more on the
+    device each time (measured on an H200), which the allocator's peak counts."""
+    runs = {}
+    for family, name in CASES:
+        [runs[f"{family} {name}"]] = run_distributed(measure_on_device, 1, family, LAYOUTS[name], timeout=120)
+        shutdown_pools()
     return runs
 
 
@@ -130,11 +127,13 @@ def test_predicted_memory_matches_the_caching_allocator(family, name, device_run
     report = ", ".join(f"{k} {summary[k] / 2**20:,.1f}/{measured[k] / 2**20:,.1f} MiB "
                        f"({summary[k] / max(measured[k], 1) - 1:+.1%})"
                        for k in (*cpu_check.STATES, "activations", "peak"))
-    print(f"\n{family} {name}: {report}; allocator peak {measured['allocated'] / 2**20:,.1f} MiB, "
-          f"reserved {measured['reserved'] / 2**20:,.1f} MiB, predicted total {predicted.total / 2**20:,.1f} MiB "
-          f"(left by the cases before: {measured['left'] / 2**20:,.1f} MiB)")
+    tensors = measured["allocated"] - measured["untracked"]
+    print(f"\n{family} {name}: {report}; allocator peak {measured['allocated'] / 2**20:,.1f} MiB, of which "
+          f"{measured['untracked'] / 2**20:,.1f} MiB no tensor's: tensors {predicted.tensors / 2**20:,.1f}/"
+          f"{tensors / 2**20:,.1f} MiB ({predicted.tensors / tensors - 1:+.1%}); reserved "
+          f"{measured['reserved'] / 2**20:,.1f} MiB, predicted total {predicted.total / 2**20:,.1f} MiB")
     for category in cpu_check.STATES:
         assert summary[category] == pytest.approx(measured[category], rel=0.10), f"{category}: {report}"
     assert summary["activations"] == pytest.approx(measured["activations"], rel=0.25), report
-    assert measured["allocated"] <= predicted.tensors <= 1.25 * measured["allocated"], report
+    assert tensors <= predicted.tensors <= 1.25 * tensors, report
     assert measured["reserved"] <= predicted.total, report

@@ -35,8 +35,9 @@ from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
 from .spec import ModelSpec, RankCut
 from .wrapping import (accumulates_whole_gradients, comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes,
-                       gradient_fraction, in_flight_bucket_bytes, numerics, optimizer_bytes, optimizer_share,
-                       optimizer_step_bytes, reduce_bytes, shard_degrees, stored_bytes)
+                       gradient_fraction, in_backward_reduce_bytes, in_block_gathered_bytes, in_flight_bucket_bytes,
+                       numerics, optimizer_bytes, optimizer_share, optimizer_step_bytes, reduce_bytes, shard_degrees,
+                       stored_bytes)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class MemoryBreakdown:
     offloaded: float = 0.0
     retention: float = 0.0  # freed memory a host allocator keeps (CPU ranks)
     step_temporaries: float = 0.0  # what the optimizer step allocates beyond the activations and buffers it outlives
+    loss_backward: float = 0.0  # what the loss's backward allocates beside the activations (activations.py)
 
     @property
     def model_states(self) -> float:
@@ -70,10 +72,12 @@ class MemoryBreakdown:
 
     def summary(self) -> dict[str, float]:
         """The categories reports use: parameters include the gathered copies; other is buffers,
-        runtime reserve, the fragmentation margin, the allocator's retention and the step's temporaries."""
+        runtime reserve, the fragmentation margin, the allocator's retention and the step's and the loss's
+        backward's temporaries."""
         return {"parameters": self.parameters + self.gathered_params, "gradients": self.gradients,
                 "optimizer": self.optimizer, "activations": self.activations,
-                "other": self.comm_buffers + self.runtime + self.fragmentation + self.retention + self.step_temporaries,
+                "other": self.comm_buffers + self.runtime + self.fragmentation + self.retention + self.step_temporaries
+                + self.loss_backward,
                 "total": self.total}
 
     def detail(self) -> dict[str, float]:
@@ -206,14 +210,19 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
                                           rank.in_flight if rank else in_flight_microbatches(config, layout),
                                           compute_bytes(config))
     freed = acts.device + routed
-    # context parallelism's exchange runs inside each block's backward, after the head's tensors are freed
+    # What lives only while a block runs backward (context parallelism's exchange, FSDP2's reduce buffers, ZeRO-3's
+    # gathered blocks) never meets the head's tensors: only what exceeds the room they leave adds to the peak.
     exchange = context_buffer_bytes(spec, config, layout, micro_batch, seq, device)
-    buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq) + max(0.0, exchange - acts.backward_room)
-    accounted = sum(states.values()) + gathered + acts.device + routed + buffers
+    in_backward = exchange + in_backward_reduce_bytes(spec, config, layout)
+    room_for_buffers = min(acts.backward_room, in_backward)
+    in_block = in_block_gathered_bytes(spec, config, layout)
+    gathered -= min(acts.backward_room - room_for_buffers, max(0.0, in_block - saving) if in_block else 0.0)
+    buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq) + exchange - room_for_buffers
+    accounted = sum(states.values()) + gathered + acts.device + routed + buffers + acts.loss_backward
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device + routed, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0,
                            fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host + host_bytes,
-                           retention=host_retention(spec, config, layout, device),
+                           retention=host_retention(spec, config, layout, device), loss_backward=acts.loss_backward,
                            step_temporaries=step_temporaries(spec, config, layout, device,
                                                              freed + _freed_by_backward(spec, config, layout,
                                                                                         buffers, states)))

@@ -242,6 +242,24 @@ def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> 
     return low * (rank_params - blocks + in_flight + kept)
 
 
+def in_block_gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
+    """Of `gathered_bytes`, the blocks ZeRO-3 holds gathered only while one runs (the one running and the one
+    prefetched): the room the head's freed tensors leave in backward can take them (memory.py)."""
+    if config.effective_zero_stage != 3 or accumulates_whole_gradients(config, layout):
+        return 0.0
+    return compute_bytes(config) * min(2, spec.stage_layers(layout.pp)) * spec.layer_parameters / layout.tp
+
+
+def in_backward_reduce_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
+    """Of `comm_buffer_bytes`, FSDP2's reduce buffers alive only in a block's backward (its unsharded gradients and
+    their reduce-scatter input) or when backward ends (the root's reduce-scatter input): never beside the head's
+    tensors, so the room those leave can take them (memory.py)."""
+    if not fully_sharded(config) or accumulates_whole_gradients(config, layout):
+        return 0.0
+    block, root = spec.layer_parameters / layout.tp, root_unit_parameters(spec, layout) / layout.tp
+    return max(block * (compute_bytes(config) + reduce_bytes(config, layout)), root * reduce_bytes(config, layout))
+
+
 def root_unit_parameters(spec: ModelSpec, layout: Layout) -> float:
     """Parameters of the busiest stage that FSDP2's root unit holds: those in no block and in no unit of their own
     (parallel/sharding/units.py: an embedding or head tensor of half a block or more, unless tied). The root reduces its
