@@ -19,7 +19,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 import shardwise as sw
@@ -111,7 +111,7 @@ def whole_on_host(model) -> dict:
 
 def gather_through_dtensor() -> list[float]:
     """DTensor's gather (a functional collective) of one CUDA shard per rank."""
-    mesh = init_device_mesh("cuda", (WORLD,))
+    mesh = DeviceMesh("cuda", list(range(WORLD)))  # as shardwise builds it: init_device_mesh picks cuda:rank
     mine = torch.full((2,), float(dist.get_rank() + 1), device=torch.device("cuda", 0))
     return DTensor.from_local(mine, mesh, [Shard(0)]).full_tensor().tolist()
 

@@ -266,16 +266,6 @@ def logits_bytes(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels
     return spec.head_outputs * (numerics.logits_bytes + _FP32)
 
 
-def loss_backward_bytes(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels()) -> float:
-    """Per token: what the loss's backward adds to the head's tensors. Beside the saved fp32 log-softmax it makes
-    the negative log-likelihood's gradient and the log-softmax's input gradient (both fp32, the log-softmax's
-    shape), while the logits, which nothing saves for backward, are gone. A fused cross-entropy writes its
-    gradient as it goes."""
-    if kernels.fused_cross_entropy and spec.head_outputs:
-        return 0.0
-    return spec.head_outputs * (2 * _FP32 - numerics.logits_bytes)
-
-
 class PipelineRank(NamedTuple):
     """What one pipeline rank holds as the runtime's cut and schedule leave it (memory.py's `pipeline_stages`)."""
 
@@ -289,9 +279,8 @@ class PipelineRank(NamedTuple):
 class ActivationMemory:
     device: float      # bytes kept on the device at the peak
     host: float = 0.0  # bytes offloaded to host memory
-    backward_room: float = 0.0  # of `device` and `loss_backward`, what is free while the blocks run backward (the
-                                # head's tensors beyond a recomputed region): room for a block's transient buffers
-    loss_backward: float = 0.0  # beyond `device`, what the loss's backward adds to the peak (a pipeline's: 0)
+    backward_room: float = 0.0  # of `device`, what is free while the blocks run backward (the head's tensors
+                                # beyond a recomputed region): room for a block's transient buffers
 
 
 def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: Numerics, tp: int, pp: int,
@@ -312,8 +301,7 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     `regather` (sequence_parallel_regather) keeps the gathered inputs of blocks run without checkpointing as sequence
     shards; a checkpointed region, and its recomputation, keeps them as without it.
     The first recompute starts once backward has passed the head, which frees the logits: so the peak is the
-    larger of the head's tensors (in the loss's backward, with the log-softmax's gradient: `loss_backward`) and
-    one region's, not their sum. Autocast's weight copies count once (only
+    larger of the head's tensors and one region's, not their sum. Autocast's weight copies count once (only
     pipelines overlap microbatches, and they do not autocast), for the blocks only while their region is
     recomputed.
     """
@@ -347,10 +335,7 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     first, last = first * tokens, (last + logits_bytes(spec, numerics, kernels) / tp) * tokens
     if pp == 1:
         stored, host, recompute = held(layers)
-        head_backward = last + loss_backward_bytes(spec, numerics, kernels) / tp * tokens
-        return ActivationMemory(stored + first + max(last, recompute) + copies, host,
-                                backward_room=max(0.0, head_backward - recompute),
-                                loss_backward=max(0.0, head_backward - max(last, recompute)))
+        return ActivationMemory(stored + first + max(last, recompute) + copies, host, max(0.0, last - recompute))
     stages = stages or (PipelineRank(layers, in_flight, True, False), PipelineRank(layers, 1, False, True))
     busiest, hosted = 0.0, 0.0
     for rank in stages:

@@ -34,8 +34,8 @@ from .bubbles import rank_blocks
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
 from .spec import ModelSpec, RankCut
-from .wrapping import (accumulates_whole_gradients, comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes,
-                       gradient_fraction, in_backward_reduce_bytes, in_block_gathered_bytes, in_flight_bucket_bytes,
+from .wrapping import (accumulates_whole_gradients, blocks_gathered_in_backward, comm_buffer_bytes, compute_bytes,
+                       fully_sharded, gathered_bytes, gradient_fraction, in_backward_reduce_bytes, in_flight_bucket_bytes,
                        numerics, optimizer_bytes, optimizer_share, optimizer_step_bytes, reduce_bytes, shard_degrees,
                        stored_bytes)
 
@@ -55,7 +55,6 @@ class MemoryBreakdown:
     offloaded: float = 0.0
     retention: float = 0.0  # freed memory a host allocator keeps (CPU ranks)
     step_temporaries: float = 0.0  # what the optimizer step allocates beyond the activations and buffers it outlives
-    loss_backward: float = 0.0  # what the loss's backward allocates beside the activations (activations.py)
 
     @property
     def model_states(self) -> float:
@@ -72,12 +71,10 @@ class MemoryBreakdown:
 
     def summary(self) -> dict[str, float]:
         """The categories reports use: parameters include the gathered copies; other is buffers,
-        runtime reserve, the fragmentation margin, the allocator's retention and the step's and the loss's
-        backward's temporaries."""
+        runtime reserve, the fragmentation margin, the allocator's retention and the step's temporaries."""
         return {"parameters": self.parameters + self.gathered_params, "gradients": self.gradients,
                 "optimizer": self.optimizer, "activations": self.activations,
-                "other": self.comm_buffers + self.runtime + self.fragmentation + self.retention + self.step_temporaries
-                + self.loss_backward,
+                "other": self.comm_buffers + self.runtime + self.fragmentation + self.retention + self.step_temporaries,
                 "total": self.total}
 
     def detail(self) -> dict[str, float]:
@@ -213,16 +210,20 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
     # What lives only while a block runs backward (context parallelism's exchange, FSDP2's reduce buffers, ZeRO-3's
     # gathered blocks) never meets the head's tensors: only what exceeds the room they leave adds to the peak.
     exchange = context_buffer_bytes(spec, config, layout, micro_batch, seq, device)
-    in_backward = exchange + in_backward_reduce_bytes(spec, config, layout)
-    room_for_buffers = min(acts.backward_room, in_backward)
-    in_block = in_block_gathered_bytes(spec, config, layout)
-    gathered -= min(acts.backward_room - room_for_buffers, max(0.0, in_block - saving) if in_block else 0.0)
-    buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq) + exchange - room_for_buffers
-    accounted = sum(states.values()) + gathered + acts.device + routed + buffers + acts.loss_backward
+    room_for_exchange = min(acts.backward_room, exchange)
+    # FSDP2's part, measured: ZeRO-3 on one H200 rank held only the root's copy beyond DDP at its peak; a Mixtral
+    # block's backward leaves no room (its ZeRO-3 peak on CPU ranks was above the prediction with it)
+    room = 0.0 if spec.experts else acts.backward_room - room_for_exchange
+    room_for_reduce = min(room, in_backward_reduce_bytes(spec, config, layout))
+    if blocks := blocks_gathered_in_backward(spec, config, layout):
+        block = compute_bytes(config) * spec.layer_parameters / layout.tp
+        gathered -= min(room - room_for_reduce, blocks * block)
+    buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq) + exchange - room_for_exchange - room_for_reduce
+    accounted = sum(states.values()) + gathered + acts.device + routed + buffers
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device + routed, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0,
                            fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host + host_bytes,
-                           retention=host_retention(spec, config, layout, device), loss_backward=acts.loss_backward,
+                           retention=host_retention(spec, config, layout, device),
                            step_temporaries=step_temporaries(spec, config, layout, device,
                                                              freed + _freed_by_backward(spec, config, layout,
                                                                                         buffers, states)))

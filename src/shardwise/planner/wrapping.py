@@ -242,12 +242,15 @@ def gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> 
     return low * (rank_params - blocks + in_flight + kept)
 
 
-def in_block_gathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
-    """Of `gathered_bytes`, the blocks ZeRO-3 holds gathered only while one runs (the one running and the one
-    prefetched): the room the head's freed tensors leave in backward can take them (memory.py)."""
+def blocks_gathered_in_backward(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> int:
+    """Of the blocks ZeRO-3 holds gathered (`gathered_bytes`'s in-flight ones), how many are gathered only while a
+    block runs backward, which the room the head's freed tensors leave can take (memory.py): the running one. The
+    one prefetched besides it is gathered while the head runs backward, except with one shard rank, where FSDP2
+    skips the all-gather and copies a unit's parameters only when it runs."""
     if config.effective_zero_stage != 3 or accumulates_whole_gradients(config, layout):
-        return 0.0
-    return compute_bytes(config) * min(2, spec.stage_layers(layout.pp)) * spec.layer_parameters / layout.tp
+        return 0
+    in_flight = min(2, spec.stage_layers(layout.pp))
+    return in_flight - (in_flight - 1 if shard_degrees(config, layout)[0] > 1 else 0)
 
 
 def in_backward_reduce_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
