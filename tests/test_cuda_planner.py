@@ -117,13 +117,13 @@ def device_runs() -> dict:
     return runs
 
 
-# +26 % measured on an H200 (tests/test_planner_h200.py keeps that run): activations predicted 25 % over
-MISSED = {("llama", "ZeRO-3 bf16")}
+# −1 % on an H200 (tests/test_planner_h200.py keeps that run): CUDA's autocast keeps more of GPT-2's activations
+MISSED = {("gpt2", "DDP bf16")}
 
 
 @pytest.mark.parametrize("family, name", [
     pytest.param(f, n, id=f"{f}-{n}",
-                 marks=[pytest.mark.xfail(strict=True, reason="the planner's peak +26 %")] if (f, n) in MISSED else [])
+                 marks=[pytest.mark.xfail(strict=True, reason="the planner's peak -1 %")] if (f, n) in MISSED else [])
     for f, n in CASES])
 def test_predicted_memory_matches_the_caching_allocator(family, name, device_runs):
     config = parse_config(LAYOUTS[name])

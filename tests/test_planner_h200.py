@@ -25,8 +25,9 @@ from test_cuda_planner import BATCH, GPU, LAYOUTS, MODELS, SEQ
 
 MEASURED = json.loads((Path(__file__).parent / "planner_h200_measured.json").read_text())["cases"]
 MIB = 2 ** 20
-# +26 %: its activations are predicted 25 % over what FSDP2's bf16 Llama keeps (155 against 124 MiB)
-MISSED = {"llama ZeRO-3 bf16"}
+# −1 %: CUDA's autocast keeps 48 MiB more of GPT-2's activations than the CPU's (235 against 187 MiB), which the
+# planner's autocast model was measured against (202 MiB predicted)
+MISSED = {"gpt2 DDP bf16"}
 
 
 def _predicted(case: str):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ..config.recompute import checkpointing_group_size, split_policy
 from .errors import PlanError
@@ -266,6 +266,16 @@ def logits_bytes(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels
     return spec.head_outputs * (numerics.logits_bytes + _FP32)
 
 
+def loss_backward_bytes(spec: ModelSpec, numerics: Numerics, kernels: Kernels = Kernels()) -> float:
+    """Per token: what the loss's backward adds to the head's tensors (`logits_bytes`). The logits, which nothing
+    saves for backward, are gone; beside the saved fp32 log-softmax it makes the negative log-likelihood's gradient
+    and the log-softmax's input gradient, both fp32 (MemTracker: GPT-2's and Llama's step peaks there, with two
+    fp32 logit-sized temporaries and no gradient yet). A fused cross-entropy writes its gradient as it goes."""
+    if kernels.fused_cross_entropy and spec.head_outputs:
+        return 0.0
+    return spec.head_outputs * (2 * _FP32 - numerics.logits_bytes)
+
+
 class PipelineRank(NamedTuple):
     """What one pipeline rank holds as the runtime's cut and schedule leave it (memory.py's `pipeline_stages`)."""
 
@@ -281,6 +291,7 @@ class ActivationMemory:
     host: float = 0.0  # bytes offloaded to host memory
     backward_room: float = 0.0  # of `device`, what is free while the blocks run backward (the head's tensors
                                 # beyond a recomputed region): room for a block's transient buffers
+    at_loss_backward: Optional[float] = None  # on the device while the loss runs backward (None: not modelled)
 
 
 def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: Numerics, tp: int, pp: int,
@@ -335,7 +346,10 @@ def rank_activations(spec: ModelSpec, *, seq: int, micro_batch: int, numerics: N
     first, last = first * tokens, (last + logits_bytes(spec, numerics, kernels) / tp) * tokens
     if pp == 1:
         stored, host, recompute = held(layers)
-        return ActivationMemory(stored + first + max(last, recompute) + copies, host, max(0.0, last - recompute))
+        # the loss's backward: no region recomputed yet, the logits gone, its two gradients alive
+        at_loss = stored + first + copies + last + loss_backward_bytes(spec, numerics, kernels) / tp * tokens
+        return ActivationMemory(stored + first + max(last, recompute) + copies, host, max(0.0, last - recompute),
+                                at_loss_backward=at_loss)
     stages = stages or (PipelineRank(layers, in_flight, True, False), PipelineRank(layers, 1, False, True))
     busiest, hosted = 0.0, 0.0
     for rank in stages:

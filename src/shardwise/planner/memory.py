@@ -55,6 +55,7 @@ class MemoryBreakdown:
     offloaded: float = 0.0
     retention: float = 0.0  # freed memory a host allocator keeps (CPU ranks)
     step_temporaries: float = 0.0  # what the optimizer step allocates beyond the activations and buffers it outlives
+    overlap: float = 0.0  # the step's peak moment against the sum of the categories' maxima (`_rank_memory`)
 
     @property
     def model_states(self) -> float:
@@ -71,10 +72,12 @@ class MemoryBreakdown:
 
     def summary(self) -> dict[str, float]:
         """The categories reports use: parameters include the gathered copies; other is buffers,
-        runtime reserve, the fragmentation margin, the allocator's retention and the step's temporaries."""
+        runtime reserve, the fragmentation margin, the allocator's retention, the step's temporaries and the
+        overlap (the peak's moment against the categories' sum, mostly negative)."""
         return {"parameters": self.parameters + self.gathered_params, "gradients": self.gradients,
                 "optimizer": self.optimizer, "activations": self.activations,
-                "other": self.comm_buffers + self.runtime + self.fragmentation + self.retention + self.step_temporaries,
+                "other": self.comm_buffers + self.runtime + self.fragmentation + self.retention + self.step_temporaries
+                + self.overlap,
                 "total": self.total}
 
     def detail(self) -> dict[str, float]:
@@ -214,15 +217,29 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
     # FSDP2's part, measured: ZeRO-3 on one H200 rank held only the root's copy beyond DDP at its peak; a Mixtral
     # block's backward leaves no room (its ZeRO-3 peak on CPU ranks was above the prediction with it)
     room = 0.0 if spec.experts else acts.backward_room - room_for_exchange
-    room_for_reduce = min(room, in_backward_reduce_bytes(spec, config, layout))
+    in_backward_reduce = in_backward_reduce_bytes(spec, config, layout)
+    room_for_reduce = min(room, in_backward_reduce)
+    room_for_blocks = 0.0
     if blocks := blocks_gathered_in_backward(spec, config, layout):
-        block = compute_bytes(config) * spec.layer_parameters / layout.tp
-        gathered -= min(room - room_for_reduce, blocks * block)
-    buffers = comm_buffer_bytes(spec, config, layout, micro_batch, seq) + exchange - room_for_exchange - room_for_reduce
+        room_for_blocks = min(room - room_for_reduce, blocks * compute_bytes(config) * spec.layer_parameters / layout.tp)
+        gathered -= room_for_blocks
+    comm = comm_buffer_bytes(spec, config, layout, micro_batch, seq)
+    buffers = comm + exchange - room_for_exchange - room_for_reduce
     accounted = sum(states.values()) + gathered + acts.device + routed + buffers
+    # The categories are each one's most; the step peaks at one of two moments, not at their sum (pipelines, whose
+    # microbatches overlap, keep the sum). The loss's backward: no gradient yet (but earlier microbatches'), the
+    # head's tensors and the loss's own, no FSDP2 reduce buffer. Later in backward: every gradient, the head's
+    # tensors freed (what the room above did not take).
+    overlap = 0.0
+    if acts.at_loss_backward is not None:
+        at_loss = (states["parameters"] + states["optimizer"] + (states["gradients"] if config.microbatches > 1 else 0)
+                   + gathered + acts.at_loss_backward + routed
+                   + (0.0 if fully_sharded(config) else comm - in_backward_reduce))
+        after_head = accounted - (room_for_exchange + room - room_for_exchange - room_for_reduce - room_for_blocks)
+        overlap = max(at_loss, after_head) - accounted
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device + routed, comm_buffers=buffers,
-                           runtime=device.runtime_reserve_bytes if device else 0.0,
-                           fragmentation=A.FRAGMENTATION_MARGIN * accounted, offloaded=acts.host + host_bytes,
+                           runtime=device.runtime_reserve_bytes if device else 0.0, overlap=overlap,
+                           fragmentation=A.FRAGMENTATION_MARGIN * (accounted + overlap), offloaded=acts.host + host_bytes,
                            retention=host_retention(spec, config, layout, device),
                            step_temporaries=step_temporaries(spec, config, layout, device,
                                                              freed + _freed_by_backward(spec, config, layout,
