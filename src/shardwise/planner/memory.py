@@ -235,7 +235,7 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
         at_loss = (states["parameters"] + states["optimizer"] + (states["gradients"] if config.microbatches > 1 else 0)
                    + gathered + acts.at_loss_backward + routed
                    + (0.0 if fully_sharded(config) else comm - in_backward_reduce))
-        after_head = accounted - (room_for_exchange + room - room_for_exchange - room_for_reduce - room_for_blocks)
+        after_head = accounted - (room - room_for_reduce - room_for_blocks)  # less the room left unused
         overlap = max(at_loss, after_head) - accounted
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device + routed, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0, overlap=overlap,
