@@ -115,7 +115,7 @@ def timed(step: Callable[[torch.Tensor], torch.Tensor], data: list[torch.Tensor]
         if on_device:
             torch.accelerator.synchronize(device)
         seconds.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(seconds), "loss": loss,
+    return {"step_s": statistics.median(seconds), "loss": float(loss),
             "allocated_bytes": torch.accelerator.max_memory_allocated(device) if on_device else None,
             "reserved_bytes": torch.accelerator.max_memory_reserved(device) if on_device else None}
 
@@ -140,7 +140,7 @@ def run_torch(size: Size, device: torch.device, compiled: bool, backend: str) ->
         optimizer.step()
         return loss.detach()
 
-    return _finish(timed(step, batches(size, device), size, device), model, optimizer)
+    return timed(step, batches(size, device), size, device)
 
 
 def run_shardwise(size: Size, device: torch.device) -> dict:
@@ -161,14 +161,8 @@ def run_shardwise(size: Size, device: torch.device) -> dict:
         return loss
 
     sharded = isinstance(next(model.parameters()), DTensor)  # ZeRO-3: FSDP2's shards, as the torch runs
-    result = _finish(timed(step, batches(size, device), size, device), model, optimizer) | {"sharded": sharded}
+    result = timed(step, batches(size, device), size, device) | {"sharded": sharded}
     state.set_current(None)  # the process group stays for the next run
-    return result
-
-
-def _finish(result: dict, model, optimizer) -> dict:
-    """The loss as a number."""
-    result["loss"] = float(result["loss"])
     return result
 
 

@@ -19,7 +19,7 @@ import torch
 import shardwise as sw
 from shardwise.runtime import state
 from shardwise.testing import run_distributed
-from test_cuda_worlds import functional_collectives_on_cuda, refusal
+from test_cuda_worlds import refusal, skip_tensor_parallelism_without_functional_collectives
 from tiny_models import blocks, build, dataset, make_optimizer, relative_error, seed_step
 
 pytestmark = [pytest.mark.cuda,
@@ -75,8 +75,7 @@ def test_compiled_blocks_under_zero3_train_as_eager():
 def test_compiled_blocks_under_tensor_parallelism_train_as_eager():
     """Two ranks: NCCL with a device each, else gloo over the one device (skipped with gloo's words where it refuses
     a collective tensor parallelism needs). Llama: GPT-2's packed q/k/v needs torch 2.13 (docs/torch.md)."""
-    if torch.cuda.device_count() < 2 and (outcome := functional_collectives_on_cuda()) != "ok":
-        pytest.skip(f"tensor parallelism over gloo on one device: DTensor's functional collectives: {outcome}")
+    skip_tensor_parallelism_without_functional_collectives("compiled blocks under tensor parallelism")
     ranks = run_distributed(compiled_and_eager, 2, {"tensor_parallel_degree": 2}, "llama", timeout=240)
     refused = [run["refused"] for run in ranks if "refused" in run]
     if refused:

@@ -21,13 +21,10 @@ from shardwise.config import parse_config
 from shardwise.config.layout import layout_for
 from shardwise.planner import predict_memory, spec_from_hf
 from shardwise.topology import Cluster
-from test_cuda_planner import BATCH, GPU, LAYOUTS, MODELS, SEQ
+from test_cuda_planner import BATCH, GPU, LAYOUTS, MISSED, MODELS, SEQ
 
 MEASURED = json.loads((Path(__file__).parent / "planner_h200_measured.json").read_text())["cases"]
 MIB = 2 ** 20
-# −1 %: CUDA's autocast keeps 48 MiB more of GPT-2's activations than the CPU's (235 against 187 MiB), which the
-# planner's autocast model was measured against (202 MiB predicted)
-MISSED = {"gpt2 DDP bf16"}
 
 
 def _predicted(case: str):

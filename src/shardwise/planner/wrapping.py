@@ -249,8 +249,7 @@ def blocks_gathered_in_backward(spec: ModelSpec, config: ShardwiseConfig, layout
     skips the all-gather and copies a unit's parameters only when it runs."""
     if config.effective_zero_stage != 3 or accumulates_whole_gradients(config, layout):
         return 0
-    in_flight = min(2, spec.stage_layers(layout.pp))
-    return in_flight - (in_flight - 1 if shard_degrees(config, layout)[0] > 1 else 0)
+    return 1 if shard_degrees(config, layout)[0] > 1 else min(2, spec.stage_layers(layout.pp))
 
 
 def in_backward_reduce_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:

@@ -47,10 +47,10 @@ def apply_pipeline(model: nn.Module, mesh: ParallelMesh, settings: PipelineSetti
                    split_part: Callable, wrap_part: Callable,
                    zero1: Optional[Callable[..., OptimizerBinding]] = None) -> PipelineParallel:
     """Reduce `model` in place to this rank's pipeline stages and return what runs them. `split_part(model,
-    callees, plan, ends=...)` and `wrap_part(part, reshard_after_forward=...)` are the composition's own steps (compose.py),
-    applied here to the stages (the first and last
-    stage's hold the model's inputs and outputs); `zero1(deferred=...)`: ZeRO-1's binding given the tied copies the pipeline sums
-    itself (None without ZeRO-1)."""
+    callees, plan, starts=..., ends=...)` and `wrap_part(part, reshard_after_forward=...)` are the composition's own
+    steps (compose.py), applied here to the stages (the first and last stages take the model's inputs and give its
+    outputs); `zero1(deferred=...)`: ZeRO-1's binding given the tied copies the pipeline sums itself (None without
+    ZeRO-1)."""
     pp_mesh = mesh["pp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     total = pp * settings.stages_per_rank

@@ -129,7 +129,10 @@ def shard_sequence(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPl
                                    "sequence may be sharded",
                                    "give TensorParallelPlan(..., sequence=SequencePlan(blocks=..., norms=...)), "
                                    f"or set {KEY} to false")])
-    blocks = resolve(model, {seq.blocks: "sequence blocks"})[seq.blocks]
+    def blocks_of(module: nn.Module) -> list[str]:
+        return resolve(module, {seq.blocks: "sequence blocks"})[seq.blocks]
+
+    blocks = blocks_of(model)
     fan_outs = [path for path, entry in entries.items() if entry.spec == "fan_out"]
     keeper = Regather() if regather else None
     for path in blocks if keeper else ():
@@ -151,10 +154,10 @@ def shard_sequence(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPl
     if problems:
         raise ConfigError(problems)
     for start in (model,) if starts is None else starts:
-        first = start.get_submodule(resolve(start, {seq.blocks: "sequence blocks"})[seq.blocks][0])
+        first = start.get_submodule(blocks_of(start)[0])
         first.register_forward_pre_hook(
             lambda _, args, kwargs: map_input(args, kwargs, partial(_scatter, mesh=tp_mesh)), with_kwargs=True)
     for end in (model,) if ends is None else ends:
-        last = end.get_submodule(resolve(end, {seq.blocks: "sequence blocks"})[seq.blocks][-1])
+        last = end.get_submodule(blocks_of(end)[-1])
         last.register_forward_hook(lambda _, args, outputs: _map_output(outputs, partial(_gather, mesh=tp_mesh)))
     return result
