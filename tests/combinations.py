@@ -86,6 +86,11 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
     # pure bf16 (bf16 parameters, gradients, reductions and optimizer states, no fp32 master) in pipeline stages,
     # each stage's parameters stored in bf16; with the bf16 precision only, against the fp32 process
     "pp-pure-bf16": (4, 4, {"pipeline_parallel_degree": 2, "microbatches": 2, "bf16_master_weights_and_grads": True}),
+    # ZeRO-1's microbatches adding up in fp32 on each rank, reduced once a step (its fp32 masters: bf16/fp16, or
+    # fp32 with the optimizer offloaded), alone and in pipeline stages
+    "zero1-local": (4, 4, {"shard_optimizer_state": True, "microbatches": 2, "accumulate_gradients_locally": True}),
+    "pp-zero1-local": (4, 4, {"pipeline_parallel_degree": 2, "shard_optimizer_state": True, "microbatches": 2,
+                              "accumulate_gradients_locally": True}),
 }
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 # What moves to host memory: nothing, the optimizer's states (and what it steps), or checkpointed regions' inputs.
@@ -126,6 +131,9 @@ VARIANT_ROWS = [
     ("sp-regather", "gpt2", "fp32", False, "matmul", "before", True, "none"),
     ("pp-sp-regather", "llama", "fp32", True, "none", "after", True, "none"),
     ("cp-tp-sp-regather", "gpt2", "fp32", False, "none", "before", False, "none"),
+    ("zero1-local", "gpt2", "bf16", True, "each", "after", True, "none"),
+    ("zero1-local", "bert", "fp32", False, "none", "before", False, "optimizer"),
+    ("pp-zero1-local", "llama", "fp16", True, "none", "after", True, "none"),
 ]
 
 AXES: dict[str, tuple[Any, ...]] = {

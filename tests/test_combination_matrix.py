@@ -21,7 +21,8 @@ compared within that reduction's own tolerance; the module-graph pipeline cut wi
 per rank and with tensor-parallel stages; context parallelism, ring under DDP, all-to-all under ZeRO-3, with
 tensor and sequence parallelism and with pipeline stages, whose attention splits the causal text families; expert
 parallelism under ZeRO-3, beside tensor parallelism, in pipeline stages and with context parallelism, which splits
-the experts of a Mixtral, the mixture-of-experts family).
+the experts of a Mixtral, the mixture-of-experts family; ZeRO-1's microbatches accumulated in fp32 on each rank
+and reduced once a step, alone and in pipeline stages).
 
 `python bench/combinations.py` runs the full product and writes docs/combinations.md.
 """

@@ -29,7 +29,7 @@ from shardwise.api.configured import DeepSpeedLamb, _torch_optimizer
 from shardwise.cli import main
 from shardwise.config import ConfigError, ineffective_settings, load_dict, parse_config
 from shardwise.config.blocks import OptimizerBlock
-from shardwise.config.deepspeed import auto_keys, describe, translate
+from shardwise.config.deepspeed import Translation, auto_keys, describe, translate
 from shardwise.config.deepspeed.keys import TOP_LEVEL
 from shardwise.config.deepspeed.zero import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS, ZERO_KEYS
 from shardwise.config.schema import field_names
@@ -210,7 +210,7 @@ def test_real_deepspeed_keys_are_never_unknown():
     assert not t.problems
     assert t.config["tensor_parallel_degree"] == 2
     listed = {**dict(t.notes), **dict(t.ignored)}
-    assert listed["data_types"] == "precision follows bf16/fp16 alone: fp32 master weights, gradients reduced in fp32"
+    assert listed["data_types.grad_accum_dtype"].startswith("gradients add up in fp32")
     assert listed["sparse_attention"] == ("removed from DeepSpeed (0.19 refuses the key); attention runs as the "
                                           "model computes it")
     assert listed["compile"].startswith("DeepCompile's passes are not built")
@@ -397,7 +397,11 @@ READ_AS = {
                                                      "metrics_dir": "output/ds_tensorboard_logs/step1_model_tensorboard"},
     "deepspeed_test_mics_config.json": {"zero_stage": 3, "sharded_data_parallel_degree": 4, "fp16": True},
     "bing_bert_deepspeed_bsz64k_lamb_config_seq128.json": {"microbatches": 128, "fp16": True},
+    "megatron_ds_universal_checkpointing_zero1_bf16.json": {"zero_stage": 1, "bf16": True,
+                                                            "accumulate_gradients_locally": True},
 }
+# Configs written for another number of ranks than READ_AS's 2 nodes of 4 (their batch is one rank's).
+CLUSTERS = {"megatron_ds_universal_checkpointing_zero1_bf16.json": Cluster(1, 1)}
 REFUSED = {
     "hf_transformers_ds_config_zero2.json": ["fp16.enabled, bf16.enabled, optimizer.params.lr"],
     "accelerate_ds_config_zero2.json": ["zero_optimization.reduce_bucket_size, gradient_clipping, train_batch_size, "
@@ -416,7 +420,7 @@ def test_every_public_config_is_covered():
 
 @pytest.mark.parametrize("name", sorted(READ_AS))
 def test_public_configs_are_read_with_deepspeeds_meaning(name):
-    config, _ = validate(load_dict(str(CONFIGS / name)), Cluster(2, 4))
+    config, _ = validate(load_dict(str(CONFIGS / name)), CLUSTERS.get(name, Cluster(2, 4)))
     for key, value in READ_AS[name].items():
         assert getattr(config, key) == value, key
     lamb = config.optimizer
@@ -433,6 +437,59 @@ def test_public_configs_deepspeed_would_not_run_are_refused(name):
         validate(load_dict(str(CONFIGS / name)), Cluster(2, 4))
     for part in REFUSED[name]:
         assert part in str(error.value)
+
+
+# 11. data_types.grad_accum_dtype
+
+
+def _accumulation(data_types: dict, **rest) -> Translation:
+    return translate({"train_batch_size": 8, "data_types": data_types, **rest})
+
+
+def test_fp32_accumulation_under_bf16_zero1_is_deepspeeds_bf16_optimizer():
+    """bf16 + ZeRO-1 + fp32 accumulation selects DeepSpeed's BF16_Optimizer, which adds the microbatches up in fp32
+    on every rank and reduces them once: accumulate_gradients_locally, whatever order the keys come in."""
+    t = _accumulation({"grad_accum_dtype": "float32"}, bf16={"enabled": True}, zero_optimization={"stage": 1})
+    assert t.config["accumulate_gradients_locally"] is True and not t.problems
+    assert t.origin["accumulate_gradients_locally"] == "data_types.grad_accum_dtype"
+    assert "accumulate_gradients_locally" not in _accumulation({"grad_accum_dtype": "bf16"}, bf16={"enabled": True},
+                                                               zero_optimization={"stage": 1}).config
+
+
+@pytest.mark.parametrize("rest, said", [
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}, "gradients add up in fp32"),
+    ({"zero_optimization": {"stage": 1}}, "gradients add up in fp32"),
+])
+def test_fp32_accumulation_elsewhere_is_what_shardwise_does_anyway(rest, said):
+    t = _accumulation({"grad_accum_dtype": "fp32"}, **rest)
+    assert dict(t.notes)["data_types.grad_accum_dtype"].startswith(said) and not t.problems
+    assert "accumulate_gradients_locally" not in t.config
+
+
+def test_half_accumulation_under_zero_is_honoured_more_exactly():
+    t = _accumulation({"grad_accum_dtype": "fp16"}, fp16={"enabled": True}, zero_optimization={"stage": 1})
+    assert "more exact than fp16" in dict(t.notes)["data_types.grad_accum_dtype"] and not t.problems
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"grad_accum_dtype": "fp32", "bf16": {"enabled": True}},
+     "data_types.grad_accum_dtype='fp32': differs from the model's dtype (bf16) without ZeRO, a mix DeepSpeed "
+     "refuses; fix: use zero_optimization stage 1 (with bf16, fp32 accumulates on every rank), or bf16"),
+    ({"grad_accum_dtype": "fp64"}, "data_types.grad_accum_dtype='fp64': is not a dtype DeepSpeed accumulates in; "
+                                   "fix: use fp32, bf16 or fp16"),
+    ({"grad_accum_type": "fp32"}, "data_types.grad_accum_type='fp32': unknown key"),
+])
+def test_accumulation_deepspeed_refuses_is_refused_in_one_line(data, message):
+    precision = {"bf16": data.pop("bf16")} if "bf16" in data else {}
+    error = str(_error({"train_batch_size": 8, "data_types": data, **precision}))
+    assert message in error and "\n" not in error.strip()
+
+
+def test_local_accumulation_without_fp32_masters_is_refused_in_one_line():
+    error = str(_error({"accumulate_gradients_locally": True, "bf16": True, "zero_stage": 2,
+                        "sharded_data_parallel_degree": 4}))
+    assert ("accumulate_gradients_locally=True: accumulates ZeRO-1's gradients for its fp32 master weights, which "
+            "this config does not keep") in error and "\n" not in error.strip()
 
 
 def test_the_guide_has_a_row_for_every_key():

@@ -78,9 +78,9 @@ def test_zero1_busiest_rank_holds_its_largest_tensors():
         1 / 4, rel=0.01)
 
 
-def _zero1_half(spec, tp: int, nodes: int, pp: int = 1, microbatches: int = 1):
+def _zero1_half(spec, tp: int, nodes: int, pp: int = 1, microbatches: int = 1, local: bool = False):
     config = parse_config({"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "microbatches": microbatches,
-                           "shard_optimizer_state": True, "bf16": True})
+                           "shard_optimizer_state": True, "bf16": True, "accumulate_gradients_locally": local})
     layout = layout_for(config, Cluster(nodes, 8))
     return predict_memory(spec, config, layout, 1, 512), layout
 
@@ -100,6 +100,23 @@ def test_zero1_half_precision_gradients_go_with_their_buckets():
     assert memory.comm_buffers == pytest.approx(4 * a * share + 2 * 4 * buckets.largest)
     piped, layout = _zero1_half(spec, tp=4, nodes=16, pp=2, microbatches=4)
     assert piped.gradients == 2 * spec.stage_parameters(2) / 4
+
+
+def test_zero1_gradients_accumulated_locally_hold_fp32_sums_of_the_whole_stage():
+    """With accumulate_gradients_locally each rank keeps fp32 sums of its whole stage (4a, the owner's master
+    gradients and the buckets in flight among them: the runtime's sums hold exactly a elements and a flag a tensor,
+    tests/test_zero1_precision.py); its bf16 gradients are freed as they are added, as when they travel, so only
+    those waiting for their bucket are alive, under a pipeline too (which otherwise accumulates them: 2a). With one
+    microbatch nothing accumulates and it is the default layout."""
+    spec = resolve_model("gpt2-10b")
+    reduced, _ = _zero1_half(spec, tp=4, nodes=16, microbatches=4)
+    local, layout = _zero1_half(spec, tp=4, nodes=16, microbatches=4, local=True)
+    a = spec.parameters / 4
+    assert local.comm_buffers == pytest.approx(4 * a) and local.comm_buffers > reduced.comm_buffers
+    assert local.gradients == reduced.gradients == 2 * reduce_buckets(spec, layout).waiting
+    piped, layout = _zero1_half(spec, tp=4, nodes=16, pp=2, microbatches=4, local=True)
+    assert piped.gradients < 0.05 * 2 * spec.stage_parameters(2) / 4
+    assert _zero1_half(spec, tp=4, nodes=16, local=True)[0] == _zero1_half(spec, tp=4, nodes=16)[0]
 
 
 def test_zero1_of_one_replica_saves_nothing():

@@ -8,7 +8,7 @@ from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, predict_step_time, resolve_model
 from shardwise.planner import assumptions as A
 from shardwise.planner.collectives import collective_time, group_shape
-from shardwise.planner.timing import _sharding_copy_seconds
+from shardwise.planner.timing import _gradient_copy_seconds
 from shardwise.planner.wrapping import first_broadcast_bucket, reduce_buckets
 from shardwise.config.layout import layout_for
 from shardwise.topology import Layout
@@ -204,8 +204,9 @@ def test_zero1_broadcasts_overlap_the_next_forward_but_its_first_bucket():
     reduce = collective_time("reduce", 4 * a, shape, P4D, reduce_buckets(spec, layout).count).busiest
     first = collective_time("broadcast", first_bytes, shape, P4D).serial
     forward = t.compute / 3
+    copies = (2 + 4) * a / P4D.device.streaming_bandwidth  # each bf16 gradient copied into its fp32 bucket
     assert t.data_parallel == pytest.approx(_stretched(2 * forward, reduce, reduce / spec.layers)
-                                            + _stretched(forward, broadcast, first))
+                                            + _stretched(forward, broadcast, first) + copies)
     assert 0 < first < _stretched(forward, broadcast, first) < broadcast
     assert "parameter broadcast (overlaps next forward)" in {c.name for c in t.collectives}
 
@@ -219,17 +220,22 @@ def test_zero1_broadcasts_overlap_the_next_forward_but_its_first_bucket():
     ({"zero_stage": 3, "sharded_data_parallel_degree": 32, "microbatches": 2}, 2 * (2 * 2 * 4 + 4 + 4)),
     ({"bf16": True, "zero_stage": 2, "sharded_data_parallel_degree": 16, "pipeline_parallel_degree": 2,
       "microbatches": 4}, 2 * 2 + 4 * (2 + 2 * 4) + 2 * 4),
+    ({"bf16": True, "zero_stage": 1, "microbatches": 2}, 2 * (2 + 4)),
+    ({"bf16": True, "zero_stage": 1, "microbatches": 2, "accumulate_gradients_locally": True}, 2 * (2 + 2 * 4)),
+    ({"bf16": True, "zero_stage": 1, "pipeline_parallel_degree": 2, "microbatches": 4}, 2 + 4),
 ])
-def test_fsdp2_copies_take_their_bytes_at_the_streaming_bandwidth(config, per_parameter):
+def test_gradient_copies_take_their_bytes_at_the_streaming_bandwidth(config, per_parameter):
     """torch's FSDP2 copies every all-gather's output into the parameters and every reduce-scatter's input out of the
     unsharded gradients (upcast to fp32), on the compute stream; a pipeline stage instead adds each microbatch into
-    its fp32 accumulators and copies them in once. Those bytes at the streaming bandwidth are part of the
-    data-parallel time; DDP makes no such copy here."""
+    its fp32 accumulators and copies them in once. ZeRO-1's master weights copy each gradient into its fp32 bucket
+    when it travels (every microbatch, a pipeline's last), or add every microbatch's into the fp32 sums when they
+    accumulate locally. Those bytes at the streaming bandwidth are part of the data-parallel time; DDP makes no
+    such copy here."""
     parsed = parse_config(config)
     layout = layout_for(parsed, P4D.topology)
     spec = resolve_model("gpt2-10b")
-    copies = _sharding_copy_seconds(spec, parsed, layout, P4D)
+    copies = _gradient_copy_seconds(spec, parsed, layout, P4D)
     assert copies == pytest.approx(per_parameter * spec.stage_parameters(layout.pp) / P4D.device.streaming_bandwidth)
     assert predict_step_time(spec, parsed, layout, P4D, 2, 512).data_parallel > copies > 0
     ddp = parse_config({"bf16": True})
-    assert _sharding_copy_seconds(spec, ddp, layout_for(ddp, P4D.topology), P4D) == 0
+    assert _gradient_copy_seconds(spec, ddp, layout_for(ddp, P4D.topology), P4D) == 0

@@ -239,6 +239,9 @@ CASES = {
     "bf16": {"bf16": True},
     "bf16-microbatches-clipping": {"bf16": True, "microbatches": 2, "gradient_clipping": 0.5},
     "fp16-microbatches-clipping": {"fp16": True, "microbatches": 2, "gradient_clipping": 0.5},
+    # each rank adds its microbatches up in fp32 and reduces the sums once: the same fp32 sums, in another order
+    "bf16-microbatches-clipping-local": {"bf16": True, "microbatches": 2, "gradient_clipping": 0.5,
+                                         "accumulate_gradients_locally": True},
 }
 
 
@@ -283,6 +286,17 @@ def test_composes_with_pipeline_parallelism():
     config = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True, "gradient_clipping": 0.5}
     ranks = run_distributed(train_zero1, WORLD, "gpt2", config, timeout=300)
     _assert_same_math(ranks, reference("gpt2", "bf16", replicas=2, clip=0.5), LOSS_TOLERANCE, PARAM_TOLERANCE)
+
+
+def test_pipeline_microbatches_accumulated_locally_sum_in_fp32():
+    """With accumulate_gradients_locally the schedule's two microbatches add up in fp32 on each stage's ranks, as
+    the reference sums them: the same math, where accumulating them in bf16 would round each sum to 8 bits. (Llama:
+    its embedding and head are not tied across the stages, whose copies would add up in bf16.)"""
+    config = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True, "gradient_clipping": 0.5,
+              "microbatches": 2, "accumulate_gradients_locally": True}
+    ranks = run_distributed(train_zero1, WORLD, "llama", config, timeout=300)
+    want = reference("llama", "bf16", replicas=2, microbatches=2, clip=0.5)
+    _assert_same_math(ranks, want, LOSS_TOLERANCE, PARAM_TOLERANCE)
 
 
 # ----- microbatch accumulation -----
@@ -456,22 +470,26 @@ class Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def reduces_during_backward(microbatches: int) -> dict:
-    """One @step under ZeRO-1 in bf16 with small buckets: the reduces issued by the time backward reaches
-    the token embedding (whose gradient comes last), and in all; the half-precision gradient bytes alive at
-    most; the buckets, and how many hold an embedding."""
-    config = {"shard_optimizer_state": True, "bf16": True, "microbatches": microbatches}
+def reduces_during_backward(microbatches: int, local: bool = False) -> dict:
+    """One @step under ZeRO-1 in bf16 with small buckets (`local`: accumulate_gradients_locally): the reduces
+    issued by the time backward reaches the token embedding (whose gradient comes last), and in all; the
+    half-precision gradient bytes alive at most; after each microbatch's backward, the elements of the buckets'
+    local fp32 sums and the gradients left on the parameters; the buckets, and how many hold an embedding."""
+    config = {"shard_optimizer_state": True, "bf16": True, "microbatches": microbatches,
+              "accumulate_gradients_locally": local}
     alive: list[int] = []
     loop = small_buckets(SeedLoop, config, freeze_key_bias=False, before_optimizer=_watch_gradients(alive), **SIZES)
-    counter, before_embedding = Collectives("reduce_"), []
+    counter, before_embedding, after_backward = Collectives("reduce_"), [], []
     transformer = loop.model.get_module().transformer
     transformer.wte.weight.register_hook(lambda grad: before_embedding.append(counter.calls))
+    buckets = loop.optimizer._update.masters.buckets.buckets
+    loop.after_backward = lambda model: after_backward.append(
+        (sum(b.sums.numel() for b in buckets if b.sums is not None), _gradient_bytes(model)))
     with counter:
         loop.step(0)
-    buckets = loop.optimizer._update.masters.buckets.buckets
     embeddings = {id(transformer.wte.weight), id(transformer.wpe.weight)}
     return {"before_embedding": before_embedding, "calls": counter.calls, "bytes": counter.bytes,
-            "buckets": len(buckets), "gradients_alive": max(alive),
+            "buckets": len(buckets), "gradients_alive": max(alive), "after_backward": after_backward,
             "embedding_buckets": sum(any(id(p) in embeddings for p in b.params) for b in buckets)}
 
 
@@ -513,6 +531,22 @@ def test_gradients_travel_while_backward_runs():
         first, second = got["before_embedding"]
         assert first >= got["buckets"] - got["embedding_buckets"]
         assert second - got["buckets"] >= got["buckets"] - got["embedding_buckets"]
+        assert got["gradients_alive"] < 2 * a / 4
+
+
+def test_gradients_accumulated_locally_travel_once_during_the_last_backward():
+    """With accumulate_gradients_locally the first microbatch's backward sends nothing: its gradients are added
+    into fp32 sums of the whole model on every rank (4 bytes and a flag per tensor, the half-precision gradients
+    freed as they are added); the last microbatch's backward sends each bucket once, as soon as it is complete,
+    with 4 bytes per parameter: half the reduces and bytes of sending every microbatch."""
+    a = sum(p.numel() for p in build("gpt2", **SIZES).parameters())
+    tensors = len(list(build("gpt2", **SIZES).parameters()))
+    for got in run_distributed(reduces_during_backward, WORLD, 2, True, timeout=300):
+        assert got["calls"] == got["buckets"] and got["bytes"] == 4 * (a + tensors)
+        first, second = got["before_embedding"]
+        assert first == 0 and second >= got["buckets"] - got["embedding_buckets"]
+        assert got["after_backward"][0] == (a + tensors, 0)
+        assert got["after_backward"][1] == (0, 0)
         assert got["gradients_alive"] < 2 * a / 4
 
 

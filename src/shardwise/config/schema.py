@@ -123,6 +123,12 @@ class ShardwiseConfig(SmpOnlySettings):
         "parameters, gradients and their reduction in bf16, no fp32 master; the optimizer keeps its states in the "
         "parameters' dtype. Half the bytes of parameters, gradients and reductions, at an accuracy cost "
         "(docs/precision.md).")
+    accumulate_gradients_locally: bool = Field(
+        False, description="ZeRO-1 in bf16/fp16 (fp32 masters): add each microbatch's gradients into fp32 buffers "
+        "of the whole model on every rank (4 bytes a parameter while a step runs) and reduce them to their owners "
+        "once a step, during the last microbatch's backward, as Megatron-LM's distributed optimizer and DeepSpeed's "
+        "BF16_Optimizer (data_types.grad_accum_dtype: fp32) do. Off: every microbatch's gradients are reduced in "
+        "its backward and add up on the owner.")
     fp16: bool = Field(False, description="float16 compute with dynamic loss scaling, fp32 master weights and "
                        "gradient reduction.")
     fp16_params: bool = Field(False, description="SMP's earlier spelling of fp16 (parameters of distributed modules "

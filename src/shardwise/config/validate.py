@@ -86,6 +86,10 @@ def _rule_problems(c: ShardwiseConfig) -> Iterable[Problem]:
         yield Problem("offload_optimizer_state", True, "under ZeRO-1 offloads fp32 master weights, which pure bf16 "
                       "(bf16_master_weights_and_grads) does not keep",
                       "use ZeRO-2/3 to offload bf16 states, or drop one of the two")
+    if c.accumulate_gradients_locally and not c.sharded_master_weights:
+        yield Problem("accumulate_gradients_locally", True, "accumulates ZeRO-1's gradients for its fp32 master "
+                      "weights, which this config does not keep (they need zero_stage 1 with bf16 or fp16, not pure "
+                      "bf16)", "set zero_stage: 1 with bf16 or fp16, or drop accumulate_gradients_locally")
     pp = c.pipeline_parallel_degree
     if c.default_partition >= pp:
         yield Problem("default_partition", c.default_partition, f"must be a pipeline stage, below "

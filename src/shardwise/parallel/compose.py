@@ -232,4 +232,5 @@ def _zero1(mesh: ParallelMesh, decisions: Decisions, passes: Optional[int] = Non
            deferred: frozenset[int] = frozenset()):
     return apply_zero1(mesh["rdp"].get_group(), masters=decisions.config.sharded_master_weights,
                        tp_rank=mesh["tp"].get_local_rank(), passes=passes, deferred=deferred,
-                       offload=_host_offload(mesh, decisions))
+                       offload=_host_offload(mesh, decisions),
+                       accumulate_locally=decisions.config.accumulate_gradients_locally)

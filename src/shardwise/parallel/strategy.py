@@ -114,6 +114,9 @@ class Strategy(ABC):
         self.autocast = autocast
         self.binding: OptimizerBinding = binding or OptimizerUpdate
         self.holds_loss = True
+        # False inside a microbatch whose gradients are not synchronised (microbatch_context sets it where the
+        # optimizer reduces gradients itself: ZeRO-1's local accumulation reads it).
+        self.gradient_sync = True
         self._updates: list[OptimizerUpdate] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

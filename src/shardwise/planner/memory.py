@@ -29,14 +29,15 @@ from ..parallel.stage_split import stage_ranks
 from ..topology import Layout
 from . import assumptions as A
 from . import context, experts
-from .activations import PipelineRank, rank_activations
+from .activations import ActivationMemory, PipelineRank, rank_activations
 from .bubbles import rank_blocks
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
 from .spec import ModelSpec, RankCut
-from .wrapping import (accumulates_whole_gradients, blocks_gathered_in_backward, comm_buffer_bytes, compute_bytes,
-                       fully_sharded, gathered_bytes, gradient_fraction, in_backward_reduce_bytes, in_flight_bucket_bytes,
-                       numerics, optimizer_bytes, optimizer_share, optimizer_step_bytes, reduce_bytes, shard_degrees,
+from .wrapping import (accumulates_locally, accumulates_whole_gradients, blocks_gathered_in_backward,
+                       comm_buffer_bytes, compute_bytes, fully_sharded, gathered_bytes, gradient_fraction,
+                       in_backward_reduce_bytes, in_flight_bucket_bytes, master_gradient_bytes, numerics,
+                       optimizer_bytes, optimizer_share, optimizer_step_bytes, reduce_bytes, shard_degrees,
                        stored_bytes)
 
 
@@ -210,33 +211,18 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
                                           rank.in_flight if rank else in_flight_microbatches(config, layout),
                                           compute_bytes(config))
     freed = acts.device + routed
-    # What lives only while a block runs backward (context parallelism's exchange, FSDP2's reduce buffers, ZeRO-3's
-    # gathered blocks) never meets the head's tensors: only what exceeds the room they leave adds to the peak.
     exchange = context_buffer_bytes(spec, config, layout, micro_batch, seq, device)
-    room_for_exchange = min(acts.backward_room, exchange)
-    # FSDP2's part, measured: ZeRO-3 on one H200 rank held only the root's copy beyond DDP at its peak; a Mixtral
-    # block's backward leaves no room (its ZeRO-3 peak on CPU ranks was above the prediction with it)
-    room = 0.0 if spec.experts else acts.backward_room - room_for_exchange
     in_backward_reduce = in_backward_reduce_bytes(spec, config, layout)
-    room_for_reduce = min(room, in_backward_reduce)
-    room_for_blocks = 0.0
-    if blocks := blocks_gathered_in_backward(spec, config, layout):
-        room_for_blocks = min(room - room_for_reduce, blocks * compute_bytes(config) * spec.layer_parameters / layout.tp)
-        gathered -= room_for_blocks
+    room = _backward_room(spec, config, layout, acts.backward_room, exchange, in_backward_reduce)
+    gathered -= room.blocks
     comm = comm_buffer_bytes(spec, config, layout, micro_batch, seq)
-    buffers = comm + exchange - room_for_exchange - room_for_reduce
+    buffers = comm + exchange - room.exchange - room.reduce
     accounted = sum(states.values()) + gathered + acts.device + routed + buffers
     # The categories are each one's most; the step peaks at one of two moments, not at their sum (pipelines, whose
-    # microbatches overlap, keep the sum). The loss's backward: no gradient yet (but earlier microbatches'), the
-    # head's tensors and the loss's own, no FSDP2 reduce buffer. Later in backward: every gradient, the head's
-    # tensors freed (what the room above did not take).
-    overlap = 0.0
-    if acts.at_loss_backward is not None:
-        at_loss = (states["parameters"] + states["optimizer"] + (states["gradients"] if config.microbatches > 1 else 0)
-                   + gathered + acts.at_loss_backward + routed
-                   + (0.0 if fully_sharded(config) else comm - in_backward_reduce))
-        after_head = accounted - (room - room_for_reduce - room_for_blocks)  # less the room left unused
-        overlap = max(at_loss, after_head) - accounted
+    # microbatches overlap, keep the sum): the loss's backward, or later in backward, every gradient there and the
+    # head's tensors freed (what the room did not take).
+    at_loss = _at_loss_backward(states, config, gathered, acts, routed, comm - in_backward_reduce)
+    overlap = 0.0 if at_loss is None else max(at_loss, accounted - room.unused) - accounted
     return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device + routed, comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0, overlap=overlap,
                            fragmentation=A.FRAGMENTATION_MARGIN * (accounted + overlap), offloaded=acts.host + host_bytes,
@@ -244,6 +230,41 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
                            step_temporaries=step_temporaries(spec, config, layout, device,
                                                              freed + _freed_by_backward(spec, config, layout,
                                                                                         buffers, states)))
+
+
+@dataclass(frozen=True)
+class _BackwardRoom:
+    """How the room the head's freed tensors leave (`ActivationMemory.backward_room`) is taken by what lives only
+    while a block runs backward, which never meets those tensors: context parallelism's exchange, FSDP2's reduce
+    buffers, ZeRO-3's gathered blocks. Only what exceeds the room adds to the peak."""
+
+    exchange: float
+    reduce: float
+    blocks: float
+    unused: float
+
+
+def _backward_room(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, backward_room: float, exchange: float,
+                   in_backward_reduce: float) -> _BackwardRoom:
+    exchange_part = min(backward_room, exchange)
+    # FSDP2's part, measured: ZeRO-3 on one H200 rank held only the root's copy beyond DDP at its peak; a Mixtral
+    # block's backward leaves no room (its ZeRO-3 peak on CPU ranks was above the prediction with it)
+    room = 0.0 if spec.experts else backward_room - exchange_part
+    reduce = min(room, in_backward_reduce)
+    blocks = blocks_gathered_in_backward(spec, config, layout)
+    block_part = min(room - reduce, blocks * compute_bytes(config) * spec.layer_parameters / layout.tp) if blocks else 0.0
+    return _BackwardRoom(exchange_part, reduce, block_part, room - reduce - block_part)
+
+
+def _at_loss_backward(states: dict[str, float], config: ShardwiseConfig, gathered: float, acts: ActivationMemory,
+                      routed: float, replica_buffers: float) -> Optional[float]:
+    """Bytes at the loss's backward: no gradient yet (but earlier microbatches'), the head's tensors and the loss's
+    own, no FSDP2 reduce buffer (`replica_buffers`: the rest of a replicated layout's buffers); None where the
+    activations do not tell that moment apart (pipelines)."""
+    if acts.at_loss_backward is None:
+        return None
+    return (states["parameters"] + states["optimizer"] + (states["gradients"] if config.microbatches > 1 else 0)
+            + gathered + acts.at_loss_backward + routed + (0.0 if fully_sharded(config) else replica_buffers))
 
 
 def context_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
@@ -264,9 +285,11 @@ def _freed_by_backward(spec: ModelSpec, config: ShardwiseConfig, layout: Layout,
                        states: dict[str, float]) -> float:
     """Besides the activations, what is gone by the optimizer step: FSDP2's reduce buffers (DDP's buckets stay);
     under ZeRO-1's master weights the buckets in flight and the replicas' gradients, freed as their buckets
-    left (the owner's fp32 master gradients stay for the step)."""
+    left (the owner's fp32 master gradients stay for the step; accumulating locally, the other owners' sums)."""
     if fully_sharded(config):
         return buffers
+    if accumulates_locally(config):
+        return states["gradients"] + buffers - master_gradient_bytes(spec, config, layout)
     if config.sharded_master_weights:
         return states["gradients"] + in_flight_bucket_bytes(spec, layout)
     return 0.0

@@ -42,10 +42,12 @@ def checkpointing_call(strategy: str) -> str:
 
 
 def _sharding(e: Evaluation) -> str:
-    """`strategy`, `hpZ n` added under ZeRO++ hpZ, `EP n` under expert parallelism, `offload` when the optimizer's
-    states live in host memory."""
+    """`strategy`, `hpZ n` added under ZeRO++ hpZ, `EP n` under expert parallelism, `local` where ZeRO-1's
+    microbatches add up on each rank (accumulate_gradients_locally), `offload` when the optimizer's states live in
+    host memory."""
     hpz, ep = e.config.get("zero_hpz_partition_size", 1), e.config.get("expert_parallel_degree", 1)
     return (strategy(e) + (f" hpZ {hpz}" if hpz > 1 else "") + (f" EP {ep}" if ep > 1 else "")
+            + (" local" if e.config.get("accumulate_gradients_locally") else "")
             + (" offload" if e.config.get("offload_optimizer_state") else ""))
 
 

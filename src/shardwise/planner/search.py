@@ -86,7 +86,8 @@ def _divisors(n: int) -> list[int]:
 
 def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, group: int = 1,
                 microbatches: int = 1, offload: bool = False, sequence_parallel: bool = False,
-                regather: bool = False, hpz: int = 0, cp: int = 1, cp_mode: str = "ring") -> dict:
+                regather: bool = False, hpz: int = 0, cp: int = 1, cp_mode: str = "ring",
+                local_accumulation: bool = False) -> dict:
     """The config keys for one candidate, leaving defaults out so the plan reads like a hand-written config.
 
     No `active_microbatches`: under the default 1f1b a round of pp or more changes nothing (pp stay in
@@ -109,6 +110,8 @@ def config_dict(precision: str, *, tp: int = 1, pp: int = 1, stage: int = 0, gro
         d["microbatches"] = microbatches
     if stage == 1:
         d["shard_optimizer_state"] = True
+        if local_accumulation:
+            d["accumulate_gradients_locally"] = True
     elif stage >= 2:
         d["zero_stage"] = stage
         if group > 1:
@@ -216,16 +219,19 @@ def _variants(choice: _Choice, precision: str, batch: int, host: bool, ep_degree
     """Microbatching, activation offload and sequence parallelism for one choice: microbatch counts dividing
     the replica's batch, activation offload with checkpointing, pipelining and m > 1 where the device has
     memory apart from the `host`'s, sequence parallelism where `_considered` found it allowed (without
-    checkpointing also gathering its inputs again in backward, sequence_parallel_regather); for a model
-    with experts each expert-parallel degree in `ep_degrees` (planner/experts.py)."""
+    checkpointing also gathering its inputs again in backward, sequence_parallel_regather); ZeRO-1's fp32
+    masters over several microbatches also adding them up on each rank (accumulate_gradients_locally); for a
+    model with experts each expert-parallel degree in `ep_degrees` (planner/experts.py)."""
     tp, pp, stage, group, checkpointing, sequence, hpz, cp, cp_mode = choice
     modes = [(sp, regather) for sp in sequence for regather in (False, True)
              if not regather or (sp and checkpointing == "none")]
     for m in (m for m in _powers_of_two(batch) if batch % m == 0):
         offloads = [False, True] if host and pp > 1 and checkpointing != "none" and m > 1 else [False]
-        for offload, (sp, regather), ep in product(offloads, modes, ep_degrees):
+        accumulations = [False, True] if stage == 1 and precision != "fp32" and m > 1 else [False]
+        for offload, (sp, regather), ep, local in product(offloads, modes, ep_degrees, accumulations):
             d = config_dict(precision, tp=tp, pp=pp, stage=stage, group=group, microbatches=m, offload=offload,
-                            sequence_parallel=sp, regather=regather, hpz=hpz, cp=cp, cp_mode=cp_mode)
+                            sequence_parallel=sp, regather=regather, hpz=hpz, cp=cp, cp_mode=cp_mode,
+                            local_accumulation=local)
             yield {**d, "expert_parallel_degree": ep} if ep > 1 else d
 
 

@@ -33,9 +33,9 @@ from .experts import expert_shard_shape
 from .hardware import ClusterSpec, DeviceSpec
 from .offload import activation_transfers, host_states, state_transfers
 from .spec import ModelSpec
-from .wrapping import (compute_bytes, cross_group_bytes, first_broadcast_bucket, fully_sharded, master_bytes,
-                       moment_bytes, numerics, optimizer_share, reduce_buckets, reduce_bytes, replicated_by_fsdp,
-                       sharding_ranks, stored_bytes)
+from .wrapping import (accumulates_locally, compute_bytes, cross_group_bytes, first_broadcast_bucket, fully_sharded,
+                       master_bytes, moment_bytes, numerics, optimizer_share, reduce_buckets, reduce_bytes,
+                       replicated_by_fsdp, sharding_ranks, stored_bytes)
 
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
@@ -139,7 +139,7 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
 
     As `wrapping.py` describes the runtime: DDP all-reduces fp32 gradients (fp32 ZeRO-1 too);
     ZeRO-1 in bf16/fp16 reduces them in fp32 to their owners instead, bucket by bucket during
-    every microbatch's backward (the last one's under a pipeline schedule); ZeRO-1 then broadcasts
+    every microbatch's backward (the last one's under a pipeline schedule or accumulating locally); ZeRO-1 then broadcasts
     the parameters each rank updated, one tensor at a time, in their stored dtype, during the next
     forward — each module waits for the bucket holding its parameters, so the first bucket is
     exposed — except under FSDP2's `replicate`, which copies them all before forward. FSDP2 gathers
@@ -151,7 +151,8 @@ def _data_parallel_traffic(traffic: _Traffic, config: ShardwiseConfig, layout: L
     grads = reduce_bytes(config, layout) * rank_params
     if stage <= 1:
         if config.sharded_master_weights:
-            when = "sync" if Decisions(config, layout).pipelining else "backward"
+            once = Decisions(config, layout).pipelining or accumulates_locally(config)
+            when = "sync" if once else "backward"
             traffic.add(when, "reduce", grads, _DP_AXES, "gradient", reduce_buckets(spec, layout).count)
         else:
             traffic.add("sync", "all_reduce", grads, _DP_AXES, "gradient")
@@ -214,15 +215,22 @@ def _pipelined_gathers(config: ShardwiseConfig, layout: Layout) -> tuple[int, in
     return min(config.pipeline_round, layout.pp), 1
 
 
-def _sharding_copy_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec) -> float:
-    """FSDP2's copies on the compute stream per step (torch's _fsdp_collectives): every all-gather's output copied
-    out into the parameters (read and written in the compute dtype); every reduce-scatter's input copied in from
-    the unsharded gradients, upcast to the reduction's dtype; under a pipeline, each microbatch's gradients added
-    into the unsharded accumulators (both read, the sum written) and the accumulators copied in once. Memory-bound,
+def _gradient_copy_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, cluster: ClusterSpec) -> float:
+    """The data-parallel wrapping's copies on the compute stream per step. FSDP2's (torch's _fsdp_collectives):
+    every all-gather's output copied out into the parameters (read and written in the compute dtype); every
+    reduce-scatter's input copied in from the unsharded gradients, upcast to the reduction's dtype; under a
+    pipeline, each microbatch's gradients added into the unsharded accumulators (both read, the sum written) and
+    the accumulators copied in once. ZeRO-1's master weights (gradient_buckets.py): each gradient copied into its
+    fp32 bucket when it travels, or accumulating locally added into the fp32 sums every microbatch. Memory-bound,
     at the streaming bandwidth; the collectives themselves wait for them, so nothing hides them."""
+    low, reduced, m = compute_bytes(config), reduce_bytes(config, layout), config.microbatches
+    if accumulates_locally(config):
+        return m * (low + 2 * reduced) * experts.rank_parameters(spec, layout) / cluster.device.streaming_bandwidth
+    if config.sharded_master_weights:
+        travels = 1 if Decisions(config, layout).pipelining else m
+        return travels * (low + reduced) * experts.rank_parameters(spec, layout) / cluster.device.streaming_bandwidth
     if not fully_sharded(config):
         return 0.0
-    low, reduced, m = compute_bytes(config), reduce_bytes(config, layout), config.microbatches
     if Decisions(config, layout).pipelining:
         moved = 2 * low * sum(_pipelined_gathers(config, layout)) + m * (low + 2 * reduced) + 2 * reduced
     else:
@@ -473,7 +481,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
                     context_parallel=cp_time * m,
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial
                     + experts.step_seconds(spec, config, layout, cluster, micro_batch, seq, compute_bytes(config))
-                    + _sharding_copy_seconds(spec, config, layout, cluster),
+                    + _gradient_copy_seconds(spec, config, layout, cluster),
                     pipeline_bubble=_pipeline_bubble(config, layout, t_mb, busy, forward + recompute, weight_grad),
                     pipeline_p2p=_pipeline_p2p(traffic, cluster, config, sent),
                     optimizer=_optimizer_seconds(spec, config, layout, cluster,

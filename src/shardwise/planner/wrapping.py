@@ -22,6 +22,9 @@ own decision, read from `config/decisions.py`:
   rules `shares.py` gives): a bucket's half-precision gradients are freed when it
   is sent, so only those waiting for their bucket are alive at once, and beside
   the owner's fp32 master gradients at most two buckets are in flight.
+  With `accumulate_gradients_locally` each microbatch's gradients but the last
+  add up in fp32 buffers of the whole stage on every rank instead (freed as they
+  are added), and the buffers travel once, with the last microbatch's backward.
 - ZeRO-2/3 and MiCS run FSDP2 (`fully_shard` per block, then the root). Parameters
   are stored sharded in fp32 (they are the master copy) and gathered in the compute
   dtype: ZeRO-2 keeps every block gathered from its forward to its backward, ZeRO-3
@@ -105,6 +108,18 @@ def accumulates_whole_gradients(config: ShardwiseConfig, layout: Layout) -> bool
     gradients unsharded (in the reduction's dtype) and keeps the parameters gathered until the round's
     reduce-scatter."""
     return fully_sharded(config) and Decisions(config, layout).pipelining
+
+
+def accumulates_locally(config: ShardwiseConfig) -> bool:
+    """ZeRO-1's master weights with accumulate_gradients_locally over several microbatches: each rank adds them up
+    in fp32 buffers of its whole stage, which travel once, with the last microbatch's backward."""
+    return config.sharded_master_weights and config.accumulate_gradients_locally and config.microbatches > 1
+
+
+def master_gradient_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
+    """ZeRO-1's fp32 master gradients of the busiest rank's share, kept from backward to the step."""
+    rank_params = spec.stage_parameters(layout.pp) / layout.tp
+    return reduce_bytes(config, layout) * rank_params * optimizer_share(spec, config, layout)
 
 
 def replicated_by_fsdp(config: ShardwiseConfig, layout: Layout) -> bool:
@@ -197,8 +212,9 @@ def first_broadcast_bucket(spec: ModelSpec, config: ShardwiseConfig, layout: Lay
 def gradient_fraction(spec: ModelSpec, config: ShardwiseConfig, layout: Layout) -> float:
     """Share of the rank's gradients alive at their peak: all of them, except under ZeRO-1 in bf16/fp16 without
     a pipeline, which sends and frees them bucket by bucket in every backward pass (a pipeline schedule
-    accumulates its microbatches in them first)."""
-    if not config.sharded_master_weights or Decisions(config, layout).pipelining:
+    accumulates its microbatches in them first, unless they add up in fp32 buffers: `accumulates_locally`)."""
+    pipelined = Decisions(config, layout).pipelining and not accumulates_locally(config)
+    if not config.sharded_master_weights or pipelined:
         return 1.0
     return reduce_buckets(spec, layout).waiting * layout.tp / spec.stage_parameters(layout.pp)
 
@@ -285,8 +301,9 @@ def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     """DDP's bucket copy of every gradient; FSDP2's unsharded block gradients and their reduce-scatter input
     beside the root unit's unsharded gradients (then their reduce-scatter input), reduced in fp32 (bf16 under pure
     bf16) — under a pipeline, whose stage accumulates its gradients whole (counted as gradients), one unit's
-    reduce-scatter input at the round's end; ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16;
-    pipeline send/receive buffers."""
+    reduce-scatter input at the round's end; ZeRO-1's fp32 master gradients and buckets in flight in bf16/fp16
+    (accumulating locally: the fp32 sums of the whole stage, in which the buckets travel and the owner's master
+    gradients stay); pipeline send/receive buffers."""
     low, reduced = compute_bytes(config), reduce_bytes(config, layout)
     rank_params = spec.stage_parameters(layout.pp) / layout.tp
     if fully_sharded(config):
@@ -295,9 +312,10 @@ def comm_buffer_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
             buffers = max(block, root) * reduced
         else:
             buffers = root * low + max(block * (low + reduced), root * reduced)
+    elif accumulates_locally(config):
+        buffers = reduced * rank_params
     elif config.sharded_master_weights:
-        master_gradients = reduced * rank_params * optimizer_share(spec, config, layout)
-        buffers = master_gradients + in_flight_bucket_bytes(spec, layout)
+        buffers = master_gradient_bytes(spec, config, layout) + in_flight_bucket_bytes(spec, layout)
     else:
         buffers = reduced * rank_params if gradient_ranks(layout) > 1 else 0.0
     if Decisions(config, layout).pipelining:

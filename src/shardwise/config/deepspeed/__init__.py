@@ -22,6 +22,7 @@ from ..distribution import Distribution
 from ...errors import ConfigError
 from ..schema import field_names
 from .auto import auto_keys, auto_problem, without_auto
+from .data_types import translate_data_types
 from .keys import ALWAYS, CHOICES, DIFFERENTLY, NOT_HONOURED, REFUSED_VALUES, REMOVED, TOP_LEVEL
 from .sections import SECTIONS, VALUES
 from .translation import Translation, switched_off
@@ -60,6 +61,8 @@ def translate(data: Mapping[str, Any]) -> Translation:
             t.problem(key, value, *REFUSED_VALUES[key, str(value).lower()])
         elif key == "zero_optimization":
             translate_zero(t, value)
+        elif key == "data_types":
+            pass  # after the rest: its meaning depends on the precision and the ZeRO stage
         elif key in SECTIONS and isinstance(value, Mapping):
             SECTIONS[key](t, value)
         elif key in SECTIONS and key not in own:
@@ -79,6 +82,8 @@ def translate(data: Mapping[str, Any]) -> Translation:
             t.set(key, value, key)
         else:
             t.unknown(key, value, [*TOP_LEVEL, *own], "at the top level, and it is no shardwise key either")
+    if "data_types" in data:
+        translate_data_types(t, data["data_types"])
     if "gradient_clipping" not in data:  # DeepSpeed 0.19 clips at 1.0 unless the config says otherwise
         t.set("gradient_clipping", DEFAULT_CLIPPING, "DeepSpeed's default when gradient_clipping is absent")
     return t

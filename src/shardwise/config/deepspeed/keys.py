@@ -16,7 +16,7 @@ from __future__ import annotations
 TRANSLATED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
               "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "gradient_clipping", "steps_per_print",
               "wall_clock_breakdown", "flops_profiler", "comms_logger", "tensorboard", "csv_monitor", "wandb",
-              "activation_checkpointing", "tensor_parallel", "autotuning")
+              "activation_checkpointing", "tensor_parallel", "autotuning", "data_types")
 
 _REDUCED = "gradients are averaged over the data-parallel ranks by one reduction per bucket or sharding unit, in fp32"
 
@@ -57,7 +57,6 @@ NOT_HONOURED = {
     "dump_state": "the validated config is written to the run directory's config.json",
     "checkpoint": _CHECKPOINTS,
     "datastates_ckpt": _CHECKPOINTS,
-    "data_types": "precision follows bf16/fp16 alone: fp32 master weights, gradients reduced in fp32",
     "torch_autocast": "DeepSpeed's autocast mode is not built; set bf16 or fp16 (fp32 master weights, the model "
                       "computing in the half dtype)",
     "compile": "DeepCompile's passes are not built; compile the model with torch.compile in the script",

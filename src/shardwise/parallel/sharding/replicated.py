@@ -27,8 +27,12 @@ class Replicated(Strategy):
         if isinstance(self.module, FSDPModule):
             self.module.set_requires_gradient_sync(last)
         skip_sync = not last and isinstance(self.module, DistributedDataParallel)
-        with self.module.no_sync() if skip_sync else contextlib.nullcontext(), self.loss_context():
-            yield
+        self.gradient_sync = last
+        try:
+            with self.module.no_sync() if skip_sync else contextlib.nullcontext(), self.loss_context():
+                yield
+        finally:
+            self.gradient_sync = True
 
     @property
     def reduces_in_forward(self) -> bool:

@@ -15,6 +15,15 @@ zeros, and every reduce is waited for and handed to the owner. Each parameter
 travels with a flag saying whether this rank had its gradient, so the owner can
 tell a gradient no replica produced (which the optimizer must skip, as in one
 process) from a zero one.
+
+With local accumulation (`accumulate_gradients_locally`: Megatron-LM's
+distributed optimizer, DeepSpeed's BF16_Optimizer) the gradients of every
+microbatch but a step's last are added into each bucket's fp32 buffer on this
+rank instead (4 bytes a parameter of the whole model, while the step runs), and
+the buffers travel once, with the last microbatch's gradients added, during its
+backward: a reduce per step instead of per microbatch. Weights tied across
+pipeline stages (sent when the round ends) keep accumulating in the compute
+dtype, as the pipeline sums them across stages after its schedule.
 """
 
 from __future__ import annotations
@@ -55,7 +64,18 @@ class _Bucket:
         self.owner = owner
         self.params = params
         self.sizes = [local_tensor(p).numel() for p in params]
+        self.position = {p: i for i, p in enumerate(params)}
         self.complete = 0  # parameters whose gradient is final in this round
+        self.sums: Optional[torch.Tensor] = None  # local accumulation: earlier microbatches' fp32 sums and flags
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        """An fp32 buffer of the bucket's gradients, then one flag a parameter."""
+        return torch.empty(sum(self.sizes) + len(self.params), dtype=torch.float32, device=device)
+
+    def split(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(each parameter's flat piece, the flags) of a `buffer`."""
+        *pieces, flags = flat.split(self.sizes + [len(self.params)])
+        return pieces, flags
 
 
 def _fill(params: list[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[_Bucket]:
@@ -71,12 +91,16 @@ class GradientBuckets:
     `passes`: None ends a round with every backward pass; a number k means each parameter's gradient is
     complete after k backward passes (a pipeline schedule's microbatches) and the caller ends the round
     with `end_round` once the schedule is done. Parameters in `deferred` are sent only when the round ends
-    (tied weights whose gradients the pipeline sums across stages after the schedule).
+    (tied weights whose gradients the pipeline sums across stages after the schedule). `accumulate_locally`:
+    passes before the last add their gradients into fp32 buffers here; without a pipeline the last is the one
+    during which `syncing()` holds (the model's microbatch_context on its last microbatch).
     """
 
     def __init__(self, owner_of: dict[nn.Parameter, int], group: dist.ProcessGroup, deliver: Deliver,
-                 passes: Optional[int] = None, deferred: frozenset[int] = frozenset()):
+                 passes: Optional[int] = None, deferred: frozenset[int] = frozenset(),
+                 accumulate_locally: bool = False, syncing: Callable[[], bool] = lambda: True):
         self.group, self.deliver, self.passes = group, deliver, passes
+        self.accumulate_locally, self.syncing = accumulate_locally, syncing
         backward_order = [p for p in reversed(owner_of) if p.requires_grad]
         self.buckets = (_fill([p for p in backward_order if id(p) not in deferred], owner_of)
                         + _fill([p for p in backward_order if id(p) in deferred], owner_of))
@@ -91,12 +115,18 @@ class GradientBuckets:
 
     @torch.no_grad()
     def _gradient_accumulated(self, param: nn.Parameter) -> None:
-        if self.passes is None and not self._round_open:
-            at_backward_end(self.end_round)
-        self._round_open = True
-        self._passes_seen[param] += 1
-        if self._passes_seen[param] != (self.passes or 1):
+        if self.passes is not None:
+            self._passes_seen[param] += 1
+            if self._passes_seen[param] < self.passes:
+                if self.accumulate_locally:
+                    self._add_locally(param)
+                return
+        elif self.accumulate_locally and not self.syncing():
+            self._add_locally(param)
             return
+        elif not self._round_open:
+            at_backward_end(self.end_round)
+            self._round_open = True
         self._bucket_of[param].complete += 1
         while self._next < len(self.buckets) and self._full(self.buckets[self._next]):
             self._send(self.buckets[self._next])
@@ -104,6 +134,27 @@ class GradientBuckets:
     @staticmethod
     def _full(bucket: _Bucket) -> bool:
         return bucket.complete == len(bucket.params)
+
+    def _add_locally(self, param: nn.Parameter) -> None:
+        """Add `param`'s gradient into its bucket's fp32 sums on this rank, flag it, and free it."""
+        bucket = self._bucket_of[param]
+        if bucket.sums is None:
+            bucket.sums = bucket.buffer(local_tensor(param).device).zero_()
+        pieces, flags = bucket.split(bucket.sums)
+        index = bucket.position[param]
+        pieces[index].add_(_local_grad(param).reshape(-1))
+        flags[index] = 1.0
+        param.grad = None
+
+    @property
+    def holds_sums(self) -> bool:
+        """Local accumulation has gradients on this rank that no reduce has taken yet."""
+        return any(bucket.sums is not None for bucket in self.buckets)
+
+    def discard_sums(self) -> None:
+        """Forget the locally accumulated gradients (the optimizer's zero_grad)."""
+        for bucket in self.buckets:
+            bucket.sums = None
 
     @torch.no_grad()
     def end_round(self) -> None:
@@ -122,17 +173,21 @@ class GradientBuckets:
         while len(self._in_flight) >= shares.IN_FLIGHT:
             self._receive(*self._in_flight.popleft())
         params = bucket.params
-        first = local_tensor(params[0])
-        flat = torch.empty(sum(bucket.sizes) + len(params), dtype=torch.float32, device=first.device)
-        *pieces, flags = flat.split(bucket.sizes + [len(params)])
-        present = [p.grad is not None for p in params]
-        for param, piece, has in zip(params, pieces, present):
+        summed, bucket.sums = bucket.sums, None
+        flat = summed if summed is not None else bucket.buffer(local_tensor(params[0]).device)
+        pieces, flags = bucket.split(flat)
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        for param, piece, has in zip(params, pieces, present.tolist()):
             if has:
-                piece.copy_(_local_grad(param).reshape(-1))
+                grad = _local_grad(param).reshape(-1)
+                if summed is None:
+                    piece.copy_(grad)
+                else:
+                    piece.add_(grad)
                 param.grad = None
-            else:
+            elif summed is None:
                 piece.zero_()
-        flags.copy_(torch.tensor(present, dtype=torch.float32))
+        flags.copy_(present if summed is None else torch.maximum(flags, present.to(flags.device)))
         work = (dist.reduce(flat, dst=bucket.owner, group=self.group, async_op=True)
                 if self.group.size() > 1 else None)
         self._in_flight.append((bucket, flat, work))
@@ -143,6 +198,6 @@ class GradientBuckets:
             work.wait()
         if bucket.owner != dist.get_rank():
             return
-        *pieces, flags = flat.split(bucket.sizes + [len(bucket.params)])
+        pieces, flags = bucket.split(flat)
         replicas = self.group.size()
         self.deliver(bucket.params, [piece.div_(replicas) for piece in pieces], flags)

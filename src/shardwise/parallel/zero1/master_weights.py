@@ -33,7 +33,7 @@ the whole model (4 bytes per parameter), which is what this layout avoids.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,10 +58,12 @@ class MasterWeights:
 
     def __init__(self, optimizer: torch.optim.Optimizer, sharding: OptimizerStateSharding, tp_rank: int,
                  passes: Optional[int] = None, deferred: frozenset[int] = frozenset(),
-                 offload: Optional[HostOffload] = None):
+                 offload: Optional[HostOffload] = None, accumulate_locally: bool = False,
+                 syncing: Callable[[], bool] = lambda: True):
         """`passes` and `deferred` say when gradients are complete (GradientBuckets): None after every
         backward pass; under a pipeline, the schedule's microbatches, and its tied weights' ids deferred.
-        `offload`: the masters live in host memory."""
+        `offload`: the masters live in host memory. `accumulate_locally`, `syncing`: microbatches' gradients
+        add up in fp32 on this rank and travel once a step (GradientBuckets)."""
         self.sharding = sharding
         self.offload = offload
         self.tp_rank = tp_rank
@@ -71,7 +73,8 @@ class MasterWeights:
         self.param_of = {id(master): param for param, master in self.masters.items()}
         self._gradients: dict[nn.Parameter, torch.Tensor] = {}  # since the last step, on the device
         self._replicas_with_grad: dict[nn.Parameter, torch.Tensor] = {}
-        self.buckets = GradientBuckets(sharding.owner_of, sharding.group, self._accumulate, passes, deferred)
+        self.buckets = GradientBuckets(sharding.owner_of, sharding.group, self._accumulate, passes, deferred,
+                                       accumulate_locally, syncing)
         self._versions = self._current_versions()
 
     def _master(self, param: nn.Parameter) -> torch.Tensor:
@@ -99,7 +102,10 @@ class MasterWeights:
 
     def hand_over_gradients(self) -> None:
         """Give the masters their gradients; a master whose parameter no replica had a gradient for keeps none,
-        so the optimizer skips it as it would in one process (read at the step, which waits for the device anyway)."""
+        so the optimizer skips it as it would in one process (read at the step, which waits for the device anyway).
+        Sums a step left on the ranks (no microbatch said it was the last) travel now."""
+        if self.buckets.holds_sums:
+            self.buckets.end_round()
         counts = torch.stack(list(self._replicas_with_grad.values())).tolist() if self._replicas_with_grad else []
         present = [param for param, count in zip(self._replicas_with_grad, counts) if count]
         for param in self._replicas_with_grad.keys() - set(present):
@@ -110,6 +116,7 @@ class MasterWeights:
     def discard_gradients(self) -> None:
         """Forget the gradients kept since the last step (the optimizer's zero_grad)."""
         self._gradients, self._replicas_with_grad = {}, {}
+        self.buckets.discard_sums()
 
     @torch.no_grad()
     def adopt_changed_parameters(self) -> None:

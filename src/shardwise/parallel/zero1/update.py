@@ -30,14 +30,18 @@ class Zero1Update(OptimizerUpdate):
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: Strategy, scaler: Optional[torch.amp.GradScaler],
                  device: torch.device, *, group: dist.ProcessGroup, masters: bool, tp_rank: int,
-                 passes: Optional[int], deferred: frozenset[int], offload: Optional[HostOffload]):
+                 passes: Optional[int], deferred: frozenset[int], offload: Optional[HostOffload],
+                 accumulate_locally: bool = False):
         super().__init__(optimizer, strategy, scaler, device)
         self.sharding = OptimizerStateSharding(optimizer, group)
         self.broadcasts = (ParameterBroadcasts(self.sharding.owner_of, group, strategy.module)
                            if dist.get_world_size(group) > 1 else None)
-        # Gradients travel to the owners during every backward pass; under a pipeline, during its last
-        # microbatch's, the tied weights' once the schedule has summed them (`after_backward_passes`).
-        self.masters = (MasterWeights(optimizer, self.sharding, tp_rank, passes=passes, deferred=deferred, offload=offload)
+        # Gradients travel to the owners during every backward pass (with local accumulation, the step's last
+        # microbatch's); under a pipeline, during its last microbatch's, the tied weights' once the schedule has
+        # summed them (`after_backward_passes`).
+        self.masters = (MasterWeights(optimizer, self.sharding, tp_rank, passes=passes, deferred=deferred,
+                                      offload=offload, accumulate_locally=accumulate_locally,
+                                      syncing=lambda: strategy.gradient_sync)
                         if masters else None)
         self._pipelined = passes is not None
 
@@ -117,9 +121,10 @@ class Zero1Update(OptimizerUpdate):
 
 
 def apply_zero1(group: dist.ProcessGroup, *, masters: bool, tp_rank: int, passes: Optional[int] = None,
-                deferred: frozenset[int] = frozenset(), offload: Optional[HostOffload] = None) -> OptimizerBinding:
+                deferred: frozenset[int] = frozenset(), offload: Optional[HostOffload] = None,
+                accumulate_locally: bool = False) -> OptimizerBinding:
     """How optimizers bind under ZeRO-1 over the replicas `group`; `masters`: bf16/fp16's fp32 masters (in host
     memory with `offload`). `passes`, `deferred`: a pipeline's microbatches per step and its weights tied across
-    stages."""
+    stages. `accumulate_locally`: the masters' gradients add up in fp32 on each rank and travel once a step."""
     return functools.partial(Zero1Update, group=group, masters=masters, tp_rank=tp_rank, passes=passes,
-                             deferred=deferred, offload=offload)
+                             deferred=deferred, offload=offload, accumulate_locally=accumulate_locally)
