@@ -64,7 +64,12 @@ class _Bucket:
         self.owner = owner
         self.params = params
         self.sizes = [local_tensor(p).numel() for p in params]
-        self.position = {p: i for i, p in enumerate(params)}
+        starts = [0]
+        for size in self.sizes:
+            starts.append(starts[-1] + size)
+        # where each parameter's piece and flag lie in a `buffer`
+        self.piece = {p: (start, size) for p, start, size in zip(params, starts, self.sizes)}
+        self.flag = {p: starts[-1] + i for i, p in enumerate(params)}
         self.complete = 0  # parameters whose gradient is final in this round
         self.sums: Optional[torch.Tensor] = None  # local accumulation: earlier microbatches' fp32 sums and flags
 
@@ -140,10 +145,8 @@ class GradientBuckets:
         bucket = self._bucket_of[param]
         if bucket.sums is None:
             bucket.sums = bucket.buffer(local_tensor(param).device).zero_()
-        pieces, flags = bucket.split(bucket.sums)
-        index = bucket.position[param]
-        pieces[index].add_(_local_grad(param).reshape(-1))
-        flags[index] = 1.0
+        bucket.sums.narrow(0, *bucket.piece[param]).add_(_local_grad(param).reshape(-1))
+        bucket.sums[bucket.flag[param]] = 1.0
         param.grad = None
 
     @property
