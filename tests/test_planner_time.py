@@ -121,6 +121,22 @@ def test_tensor_parallel_all_reduces_are_on_the_critical_path():
 _BLOCK_NORMS = resolve_model("gpt2-10b").block_norm_tensors
 
 
+def test_regathered_inputs_overlap_backward_but_the_first():
+    """sequence_parallel_regather's all-gathers in backward start before backward needs them
+    (parallel/tensor/regather.py): beyond what the blocks' backward hides, only the overlap's cost
+    (1 − OVERLAP_EFFICIENCY of them) and the first, which nothing hides, add to the step; charged exposed they
+    would cost all of their time."""
+    sp = {"bf16": True, "tensor_parallel_degree": 8, "sequence_parallel": True}
+    plain, again = _time(sp), _time({**sp, "sequence_parallel_regather": True})
+    gathers = next(c for c in again.collectives if c.name.startswith("activation gathered again"))
+    assert gathers.name.endswith("(overlaps backward's compute)") and gathers.axis == "tp"
+    assert gathers.bytes_per_step == pytest.approx(2 * 48 * 2 * 512 * 4096 * 2)   # two inputs a block, bf16
+    added = again.tensor_parallel - plain.tensor_parallel
+    blocks = 2 * 48
+    hidden = (1 - A.OVERLAP_EFFICIENCY) * gathers.seconds + gathers.seconds / blocks
+    assert added == pytest.approx(hidden) and added < gathers.seconds / 2
+
+
 @pytest.mark.parametrize("config, ops", [
     ({"tensor_parallel_degree": 8}, 4 * 48),            # per block 2 all-reduces forward, 2 backward
     ({"tensor_parallel_degree": 8, "sequence_parallel": True}, 2 * 4 * 48 + 2 + 48 * _BLOCK_NORMS),

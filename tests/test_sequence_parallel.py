@@ -11,6 +11,7 @@ import dataclasses
 import gc
 
 import pytest
+import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from shardwise.config import ConfigError
@@ -19,7 +20,8 @@ from shardwise.parallel.tensor import SequencePlan, TensorParallelPlan, builtin_
 from shardwise.parallel.tensor.plan import assignments, match
 from shardwise.parallel.tensor.sequence import shard_sequence
 from shardwise.testing import run_distributed
-from test_tensor_parallel import MODELS, ROWS, USER_PLANS, _check, _inputs, _setup, block_collectives, train
+from shardwise.torch_internals import TorchDispatchMode
+from test_tensor_parallel import MODELS, ROWS, SEQ, USER_PLANS, _check, _inputs, _setup, block_collectives, train
 from test_tensor_parallel_runtime import _check as _check_runtime
 from test_tensor_parallel_runtime import train_all
 
@@ -72,12 +74,60 @@ def test_reduce_scatter_and_all_gather_instead_of_all_reduce(kind, norm_weights)
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_regather_gathers_each_column_parallel_input_again_in_backward(kind):
     """Backward adds one all-gather per gathered input (attention's and the MLP's), shared by the projections
-    that read it; forward is unchanged."""
+    that read it, issued asynchronously through c10d (`_allgather_base_`); forward is unchanged."""
     assert run_distributed(block_collectives, 2, kind, True, True)[0] == {
         "forward": {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
-        "backward": {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 2, "all_reduce": 2 if kind == "llama"
-                     else 4},
+        "backward": {"all_gather_into_tensor": 3, "_allgather_base_": 2, "reduce_scatter_tensor": 2,
+                     "all_reduce": 2 if kind == "llama" else 4},
     }
+
+
+class _Backward(TorchDispatchMode):
+    """The order of the regather's all-gathers and the matmuls in a backward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "_allgather_base_":
+            self.events.append("gather")
+        elif name in ("mm", "addmm", "bmm", "baddbmm"):
+            self.events.append("matmul")
+        return func(*args, **(kwargs or {}))
+
+
+def regather_order(kind: str) -> list[str]:
+    """Two blocks, the second fed the first's output, forward then backward: what backward issues, in order."""
+    _, _, _, model = _setup(kind, 2, True, 256, fsdp=False, sequence=True, regather=True)
+    hidden = torch.randn(ROWS, SEQ, 64, device=next(model.parameters()).device, requires_grad=True)
+    if kind == "gpt2":
+        blocks, extra = model.transformer.h, {}
+    else:
+        blocks = model.model.layers
+        extra = {"position_embeddings": model.model.rotary_emb(hidden, torch.arange(SEQ, device=hidden.device)[None])}
+    out = hidden
+    for block in blocks[:2]:
+        out = block(out, **extra)
+        out = out[0] if isinstance(out, tuple) else out
+    with _Backward() as order:
+        out.sum().backward()
+    return order.events
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_regather_starts_each_gather_before_backward_needs_it(kind):
+    """When backward first needs a gathered input (the second block's MLP input), it gathers it and at once starts
+    the gather of the one forward gathered before it (the block's attention input); each later one starts when
+    backward reaches the one after it, across blocks too, so the last (the first block's attention input) starts
+    before that block's MLP weight gradients and all its attention's matmuls run: with each gathered only where
+    it is needed, only the input projection's two matmuls would follow it."""
+    events = run_distributed(regather_order, 2, kind)[0]
+    gathers = [i for i, e in enumerate(events) if e == "gather"]
+    assert len(gathers) == 4
+    assert gathers[1] == gathers[0] + 1
+    assert events[gathers[-1]:].count("matmul") >= 6
 
 
 def _activation(snapshot: dict) -> int:

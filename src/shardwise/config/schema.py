@@ -75,8 +75,8 @@ class ShardwiseConfig(SmpOnlySettings):
     sequence_parallel_regather: bool = Field(
         False, description="With sequence_parallel (Megatron-LM's way): keep only this rank's sequence shard of each "
         "input a column-parallel layer gathers, and gather it again in backward. The norms' outputs then cost 1/tp "
-        "of their memory, for one more all-gather per column-parallel input in backward. Off: torch keeps the "
-        "gathered inputs whole.")
+        "of their memory, for one more all-gather per column-parallel input in backward, each started before backward "
+        "needs it. Off: torch keeps the gathered inputs whole.")
     context_parallel_degree: int = Field(
         1, ge=1, description="Context parallelism (SMP v2's and torchtitan's name): ranks every sequence is split over "
         "(a mesh axis cp between tp and the data-parallel axes), in load-balanced chunks; attention reaches the "

@@ -40,7 +40,8 @@ from .wrapping import (accumulates_locally, compute_bytes, cross_group_bytes, fi
 _DP_AXES = ("dp_replicate", "dp_shard")
 _WHEN = {"forward": "overlaps forward", "backward": "overlaps backward", "sync": "overlaps last backward",
          "next_forward": "overlaps next forward", "after_step": "after the optimizer step",
-         "whole_step": "overlaps backward, step and next forward", "critical": "critical path"}
+         "whole_step": "overlaps backward, step and next forward", "critical": "critical path",
+         "tensor_backward": "overlaps backward's compute"}
 
 
 @dataclass(frozen=True)
@@ -90,13 +91,15 @@ def _phase(window: float, comm: LinkTime, units: int, head: float | None = None)
 
 
 class _Traffic:
-    """Collects a step's collectives by when they run: per microbatch (forward, backward), once with the last
-    backward (sync), once during the next step's first forward (next_forward, whose first bucket,
-    `first_bucket` seconds, waits exposed), after the optimizer step, or on the critical path."""
+    """Collects a step's collectives by when they run: per microbatch (forward, backward; tensor_backward, the
+    tensor-parallel group's gathers backward's compute hides), once with the last backward (sync), once during the
+    next step's first forward (next_forward, whose first bucket, `first_bucket` seconds, waits exposed), after the
+    optimizer step, or on the critical path."""
 
     def __init__(self, cluster: ClusterSpec, layout: Layout, microbatches: int, blocks: int):
         self.cluster, self.layout, self.microbatches, self.blocks = cluster, layout, microbatches, blocks
         self.forward = self.backward = self.sync = self.next_forward = self.after_step = self.whole_step = LinkTime()
+        self.tensor_backward = LinkTime()
         self.first_bucket = 0.0
         self.records: list[Collective] = []
 
@@ -126,7 +129,7 @@ class _Traffic:
             return t
         if when != "critical":
             setattr(self, when, getattr(self, when) + t)
-        count = self.microbatches if when in ("forward", "backward", "critical") else 1
+        count = self.microbatches if when in ("forward", "backward", "critical", "tensor_backward") else 1
         axis = "hpz" if within else "expert_shard" if experts else "×".join(a for a in axes
                                                                              if getattr(self.layout, a) > 1)
         self.records.append(Collective(f"{label} {kind.replace('_', '-')} ({_WHEN[when]})", axis,
@@ -253,17 +256,17 @@ def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: La
 
 
 def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: ShardwiseConfig, layers: int,
-                             activation: float, recompute: bool) -> float:
-    """Seconds per microbatch of the tensor-parallel collectives, all on the critical path, each with its host
-    time (critical_op_seconds).
+                             activation: float, recompute: bool, backward: float) -> float:
+    """Seconds per microbatch the tensor-parallel collectives add, each with its host time (critical_op_seconds).
 
     Megatron: per block two all-reduces of the activations forward and two backward (two more on
-    recompute). Sequence parallelism (parallel/tensor/sequence.py) splits each into a reduce-scatter
-    and an all-gather of the same volume, all-gathers the blocks' output in forward and their input's
-    gradient in backward (where the sequence shards begin and end, outside the recomputed blocks),
+    recompute), on the critical path. Sequence parallelism (parallel/tensor/sequence.py) splits each into a
+    reduce-scatter and an all-gather of the same volume, all-gathers the blocks' output in forward and their
+    input's gradient in backward (where the sequence shards begin and end, outside the recomputed blocks),
     and sums each norm weight's gradient over the group in backward. With sequence_parallel_regather
-    each block not recomputed gathers its two column-parallel inputs again in backward, when the weight
-    gradients first need them (parallel/tensor/regather.py).
+    each block not recomputed gathers its two column-parallel inputs again in backward, each started when
+    backward first needs the one after it (parallel/tensor/regather.py): those overlap the blocks'
+    `backward` compute, the first exposed (`_phase`).
     """
     if traffic.layout.tp == 1:
         return 0.0
@@ -271,13 +274,18 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     if not config.sequence_parallel:
         reduced = traffic.add("critical", "all_reduce", calls * activation, ("tp",), "activation", calls)
         return reduced.serial + calls * op
-    regathers = 2 * layers if Decisions(config, traffic.layout).sequence_parallel_regather and not recompute else 0
-    gathers, norms = calls + 2 + regathers, layers * spec.block_norm_tensors
+    gathers, norms = calls + 2, layers * spec.block_norm_tensors
     scattered = traffic.add("critical", "reduce_scatter", calls * activation, ("tp",), "activation", calls)
     gathered = traffic.add("critical", "all_gather", gathers * activation, ("tp",), "activation", gathers)
     summed = traffic.add("critical", "all_reduce", norms * spec.hidden * compute_bytes(config), ("tp",),
                          "norm gradient", norms)
-    return (scattered + gathered + summed).serial + (calls + gathers + norms) * op
+    exposed = (scattered + gathered + summed).serial + (calls + gathers + norms) * op
+    if Decisions(config, traffic.layout).sequence_parallel_regather and not recompute:
+        regathers = 2 * layers
+        again = traffic.add("tensor_backward", "all_gather", regathers * activation, ("tp",), "activation gathered "
+                            "again", regathers)
+        exposed += _phase(backward, again, regathers) - backward + regathers * op
+    return exposed
 
 
 def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, config: ShardwiseConfig, activation: float) -> float:
@@ -464,7 +472,7 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     activation = micro_batch * seq / layout.cp * spec.boundary_elements(pp) * compute_bytes(config)
     sent = activation / tp if config.sequence_parallel else activation   # stages hand each other sequence shards
     traffic = _Traffic(cluster, layout, m, layers)
-    tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0)
+    tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0, blocks.backward)
     cp_time = _context_parallel_seconds(traffic, spec, config, layout, cluster, micro_batch, seq, layers, blocks,
                                         recompute > 0 and not keeps_matmuls(checkpointing))
     _data_parallel_traffic(traffic, config, layout, spec)

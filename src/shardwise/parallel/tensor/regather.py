@@ -8,42 +8,74 @@ forward runs under a saved-tensors hook that keeps, in place of a gathered input
 gathered from, and gathers it again when backward first needs it: once per gathered input, shared by the projections
 that read it (q, k and v; gate and up), for one more all-gather per column-parallel input in backward.
 
+Those gathers overlap backward's compute, as Megatron-LM overlaps its own with the input-gradient GEMM: when
+backward first needs a gathered input, the all-gather of the one forward gathered before it (in the same block, or
+the block before it in the same forward) starts asynchronously, so it runs while backward computes up to where that
+one is needed. At most two gathered inputs are alive at once; only the first backward reaches waits for its gather.
+
 Other saved tensors go to the hooks that were active before (an outer measurement, an activation offload). Inside a
 checkpointed region, and in its recomputation, the hook stands aside: the region keeps only its input already.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from ...torch_internals import active_saved_tensors_hooks, in_checkpointed_region
+from ...torch_internals import active_saved_tensors_hooks, in_checkpointed_region, tree_leaves
 from ..local import local_tensor
+
+
+def _start_gather(shard: torch.Tensor, mesh: DeviceMesh, dim: int) -> Callable[[], torch.Tensor]:
+    """Start all-gathering `shard` over `mesh` along `dim`; the call returned waits for it and gives the whole
+    tensor, contiguous as forward's gather left it (the saved views index it so)."""
+    moved = shard.movedim(dim, 0).contiguous()
+    out = moved.new_empty((mesh.size() * moved.shape[0], *moved.shape[1:]))
+    work = dist.all_gather_single(out, moved, group=mesh.get_group(), async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out.movedim(0, dim).contiguous()
+    return wait
 
 
 @dataclass(eq=False)
 class _Gathered:
     """One gathered input: the shard it came from (as the outer hooks packed it) and, in backward, the gathered
-    tensor while projections that kept it have yet to use it."""
+    tensor while projections that kept it have yet to use it; `previous`, the one forward gathered before it, which
+    backward needs next."""
 
     shard: Any
     mesh: DeviceMesh
     dim: int
     unpack_shard: Callable[[Any], torch.Tensor]
+    previous: Optional["_Gathered"] = None
     pending: int = 0
     full: Optional[torch.Tensor] = None
+    arriving: Optional[Callable[[], torch.Tensor]] = None
+
+    def start(self) -> None:
+        """Start gathering the shard again, unless it is here or on its way."""
+        if self.full is None and self.arriving is None:
+            self.arriving = _start_gather(self.unpack_shard(self.shard), self.mesh, self.dim)
 
     def gathered(self) -> torch.Tensor:
+        """The gathered tensor for one saved view; the one before it starts gathering while views of it wait."""
         if self.full is None:
-            shard = self.unpack_shard(self.shard)
-            self.full = DTensor.from_local(shard, self.mesh, [Shard(self.dim)], run_check=False).redistribute(
-                self.mesh, [Replicate()]).to_local()
+            self.start()
+            self.full, self.arriving = self.arriving(), None
+            if self.previous is not None:
+                if self.previous.pending > 0:
+                    self.previous.start()  # overlaps backward from here to where it is needed
+                self.previous = None
         self.pending -= 1
         full = self.full
         if self.pending <= 0:
@@ -78,12 +110,13 @@ class _BlockScope:
     memory, and with it its address."""
 
     outer: tuple[Callable, Callable]
+    last: Optional[_Gathered] = None  # the block's latest gathered input (or the block before's, to start)
     gathered: dict[int, tuple[_Gathered, torch.Tensor]] = field(default_factory=dict)
 
     def note(self, shard: torch.Tensor, gathered: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
         full = local_tensor(gathered)
-        self.gathered[full.untyped_storage().data_ptr()] = (
-            _Gathered(self.outer[0](local_tensor(shard).detach()), mesh, dim, self.outer[1]), full)
+        self.last = _Gathered(self.outer[0](local_tensor(shard).detach()), mesh, dim, self.outer[1], self.last)
+        self.gathered[full.untyped_storage().data_ptr()] = (self.last, full)
 
     def pack(self, t: torch.Tensor) -> Any:
         local = local_tensor(t)
@@ -108,32 +141,46 @@ class _BlockScope:
                                   shape=packed.global_shape, stride=packed.global_stride)
 
 
+def _first_tensor(tree: Any) -> Optional[torch.Tensor]:
+    return next((t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)), None)
+
+
 class Regather:
     """The blocks' scopes, entered around each block's forward (none inside a checkpointed region, or without
-    grad) and told of each gathered input by the region's column-parallel styles."""
+    grad) and told of each gathered input by the region's column-parallel styles. A block whose input is the
+    output of the block that ran just before it continues that block's chain of gathered inputs."""
 
     def __init__(self) -> None:
         self._scopes: list[Optional[tuple[_BlockScope, saved_tensors_hooks]]] = []
+        # the output of the block that ran last (weakly held), and its latest gathered input
+        self._handed_on: Optional[tuple[weakref.ref, _Gathered]] = None
 
     def attach(self, block: nn.Module) -> None:
-        block.register_forward_pre_hook(lambda *_: self._enter())
-        block.register_forward_hook(lambda *_: self._exit(), always_call=True)
+        block.register_forward_pre_hook(lambda _, args, kwargs: self._enter((args, kwargs)), with_kwargs=True)
+        block.register_forward_hook(lambda _, args, output: self._exit(output), always_call=True)
 
-    def _enter(self) -> None:
+    def _enter(self, inputs: Any) -> None:
+        handed_on, self._handed_on = self._handed_on, None
         if not torch.is_grad_enabled() or in_checkpointed_region():
             self._scopes.append(None)   # nothing kept here: gathered inputs stay untracked
             return
         scope = _BlockScope(active_saved_tensors_hooks() or (_as_is, _as_is))
+        first = _first_tensor(inputs)
+        if handed_on is not None and first is not None and handed_on[0]() is first:
+            scope.last = handed_on[1]
         hooks = saved_tensors_hooks(scope.pack, scope.unpack)
         hooks.__enter__()
         self._scopes.append((scope, hooks))
 
-    def _exit(self) -> None:
+    def _exit(self, output: Any) -> None:
         entered = self._scopes.pop()
         if entered is not None:
             scope, hooks = entered
             hooks.__exit__(None, None, None)
             scope.gathered.clear()
+            handed = _first_tensor(output)
+            if scope.last is not None and handed is not None:
+                self._handed_on = (weakref.ref(handed), scope.last)
 
     def note(self, shard: torch.Tensor, gathered: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
         """`gathered` (a DTensor or its local tensor) was all-gathered over `mesh` from this rank's `shard`."""
