@@ -66,6 +66,11 @@ class OptimizerUpdate:
     def after_backward_passes(self) -> None:
         """Once a pipeline's @step has run every backward pass (ZeRO-1 in bf16/fp16 sends what is left)."""
 
+    def local_gradient(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """What stands for `param`'s gradient on this rank in place of `param.grad` until the step's backward
+        passes end (ZeRO-1's fp32 sum of a tied weight accumulated locally), or None."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
@@ -211,3 +216,7 @@ class Strategy(ABC):
         """Called by a pipeline once its @step's backward passes are all done and tied weights summed."""
         for update in self._updates:
             update.after_backward_passes()
+
+    def local_gradient(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """`param`'s gradient where an optimizer's update holds it in place of `param.grad` (OptimizerUpdate's)."""
+        return next((g for g in (u.local_gradient(param) for u in self._updates) if g is not None), None)

@@ -132,7 +132,7 @@ class PipelineParallel(Strategy):
         finally:
             self._step = None
         if train:
-            self.ties.sum_grads()
+            self.ties.sum_grads(self.local_gradient)
             self.ties.add_back(earlier)
             self.after_backward_passes()
         return self._results_everywhere([results[i] for i in range(len(pieces))] if self.holds_loss else [])

@@ -10,7 +10,7 @@ Copies on one rank (virtual stages) are summed locally first.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -137,25 +137,30 @@ class TiedWeights:
             copy.grad = grad if copy.grad is None else grad.add_(copy.grad)
 
     @torch.no_grad()
-    def sum_grads(self) -> None:
-        """Each copy's gradient becomes the sum over all copies: the tied weight's gradient."""
+    def sum_grads(self, held: Callable[[nn.Parameter], Optional[torch.Tensor]] = lambda copy: None) -> None:
+        """Each copy's gradient becomes the sum over all copies: the tied weight's gradient. `held(copy)`: what
+        stands for a copy's gradient where its optimizer keeps it apart (ZeRO-1's fp32 local sum), else None."""
         for group in self.groups:
             copies = self._copies(group)
             if not copies:
                 continue
-            for copy in copies:
+            grads = [held(copy) for copy in copies]
+            for i, copy in enumerate(copies):
+                if grads[i] is not None:
+                    continue
                 if copy.grad is None:
                     copy.grad = torch.zeros_like(copy)
                 elif isinstance(copy.grad, DTensor) and copy.grad.placements != copy.placements:
                     # e.g. a vocabulary-parallel embedding's gradient comes back replicated
                     copy.grad = copy.grad.redistribute(copy.device_mesh, copy.placements)
-            total = local_tensor(copies[0].grad).clone()
-            for copy in copies[1:]:
-                total += local_tensor(copy.grad)
+                grads[i] = local_tensor(copy.grad)
+            total = grads[0].clone()
+            for grad in grads[1:]:
+                total += grad.view_as(total)
             if group.group is not None:
                 dist.all_reduce(total, group=group.group)
-            for copy in copies:
-                local_tensor(copy.grad).copy_(total)
+            for grad in grads:
+                grad.copy_(total.view_as(grad))
 
     def held(self) -> set[int]:
         """ids of every copy on this rank (`sum_grads` rewrites their gradients)."""

@@ -22,8 +22,8 @@ microbatch but a step's last are added into each bucket's fp32 buffer on this
 rank instead (4 bytes a parameter of the whole model, while the step runs), and
 the buffers travel once, with the last microbatch's gradients added, during its
 backward: a reduce per step instead of per microbatch. Weights tied across
-pipeline stages (sent when the round ends) keep accumulating in the compute
-dtype, as the pipeline sums them across stages after its schedule.
+pipeline stages add up in those buffers through every pass, and the pipeline sums
+their copies across stages there (`local_sum`) before the round ends and sends them.
 """
 
 from __future__ import annotations
@@ -114,12 +114,16 @@ class GradientBuckets:
         self._next = 0  # the next bucket to send, in the order every rank follows
         self._in_flight: deque[tuple[_Bucket, torch.Tensor, Optional[dist.Work]]] = deque()
         self._round_open = False
+        self._deferred = deferred
         for param in self._bucket_of:
-            if id(param) not in deferred:
+            if id(param) not in deferred or accumulate_locally:
                 post_accumulate_grad_hook(param, self._gradient_accumulated)
 
     @torch.no_grad()
     def _gradient_accumulated(self, param: nn.Parameter) -> None:
+        if id(param) in self._deferred:  # accumulating locally: every pass, summed across stages at the end
+            self._add_locally(param)
+            return
         if self.passes is not None:
             self._passes_seen[param] += 1
             if self._passes_seen[param] < self.passes:
@@ -148,6 +152,18 @@ class GradientBuckets:
         bucket.sums.narrow(0, *bucket.piece[param]).add_(_local_grad(param).reshape(-1))
         bucket.sums[bucket.flag[param]] = 1.0
         param.grad = None
+
+    def local_sum(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """A tied weight's fp32 sum on this rank, which stands for its gradient until the round ends (flagged as
+        present: the pipeline writes the sum over its copies into it); None for any other parameter, or without
+        local accumulation."""
+        if not self.accumulate_locally or id(param) not in self._deferred or param not in self._bucket_of:
+            return None
+        bucket = self._bucket_of[param]
+        if bucket.sums is None:
+            bucket.sums = bucket.buffer(local_tensor(param).device).zero_()
+        bucket.sums[bucket.flag[param]] = 1.0
+        return bucket.sums.narrow(0, *bucket.piece[param])
 
     @property
     def holds_sums(self) -> bool:

@@ -82,6 +82,9 @@ class Zero1Update(OptimizerUpdate):
         if self.masters is not None and self._pipelined:
             self.masters.buckets.end_round()
 
+    def local_gradient(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        return None if self.masters is None else self.masters.buckets.local_sum(param)
+
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
         state = super().state_dict()
