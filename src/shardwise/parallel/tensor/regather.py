@@ -152,8 +152,9 @@ class Regather:
 
     def __init__(self) -> None:
         self._scopes: list[Optional[tuple[_BlockScope, saved_tensors_hooks]]] = []
-        # the output of the block that ran last (weakly held), and its latest gathered input
-        self._handed_on: Optional[tuple[weakref.ref, _Gathered]] = None
+        # the output of the block that ran last and its latest gathered input, both weakly held (the graph holds
+        # what backward will need)
+        self._handed_on: Optional[tuple[weakref.ref, weakref.ref]] = None
 
     def attach(self, block: nn.Module) -> None:
         block.register_forward_pre_hook(lambda _, args, kwargs: self._enter((args, kwargs)), with_kwargs=True)
@@ -167,7 +168,7 @@ class Regather:
         scope = _BlockScope(active_saved_tensors_hooks() or (_as_is, _as_is))
         first = _first_tensor(inputs)
         if handed_on is not None and first is not None and handed_on[0]() is first:
-            scope.last = handed_on[1]
+            scope.last = handed_on[1]()
         hooks = saved_tensors_hooks(scope.pack, scope.unpack)
         hooks.__enter__()
         self._scopes.append((scope, hooks))
@@ -180,7 +181,7 @@ class Regather:
             scope.gathered.clear()
             handed = _first_tensor(output)
             if scope.last is not None and handed is not None:
-                self._handed_on = (weakref.ref(handed), scope.last)
+                self._handed_on = (weakref.ref(handed), weakref.ref(scope.last))
 
     def note(self, shard: torch.Tensor, gathered: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
         """`gathered` (a DTensor or its local tensor) was all-gathered over `mesh` from this rank's `shard`."""
