@@ -227,14 +227,14 @@ def _gradient_copy_seconds(spec: ModelSpec, config: ShardwiseConfig, layout: Lay
     fp32 bucket when it travels, or accumulating locally added into the fp32 sums every microbatch. Memory-bound,
     at the streaming bandwidth; the collectives themselves wait for them, so nothing hides them."""
     low, reduced, m = compute_bytes(config), reduce_bytes(config, layout), config.microbatches
+    pipelining = Decisions(config, layout).pipelining
     if accumulates_locally(config):
-        return m * (low + 2 * reduced) * experts.rank_parameters(spec, layout) / cluster.device.streaming_bandwidth
-    if config.sharded_master_weights:
-        travels = 1 if Decisions(config, layout).pipelining else m
-        return travels * (low + reduced) * experts.rank_parameters(spec, layout) / cluster.device.streaming_bandwidth
-    if not fully_sharded(config):
+        moved = m * (low + 2 * reduced)
+    elif config.sharded_master_weights:
+        moved = (1 if pipelining else m) * (low + reduced)
+    elif not fully_sharded(config):
         return 0.0
-    if Decisions(config, layout).pipelining:
+    elif pipelining:
         moved = 2 * low * sum(_pipelined_gathers(config, layout)) + m * (low + 2 * reduced) + 2 * reduced
     else:
         gathers = 2 if config.effective_zero_stage == 3 else 1

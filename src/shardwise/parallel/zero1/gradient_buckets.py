@@ -77,6 +77,12 @@ class _Bucket:
         """An fp32 buffer of the bucket's gradients, then one flag a parameter."""
         return torch.empty(sum(self.sizes) + len(self.params), dtype=torch.float32, device=device)
 
+    def sums_on(self, device: torch.device) -> torch.Tensor:
+        """The local fp32 sums, zeros when nothing was added yet."""
+        if self.sums is None:
+            self.sums = self.buffer(device).zero_()
+        return self.sums
+
     def split(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(each parameter's flat piece, the flags) of a `buffer`."""
         *pieces, flags = flat.split(self.sizes + [len(self.params)])
@@ -146,12 +152,15 @@ class GradientBuckets:
 
     def _add_locally(self, param: nn.Parameter) -> None:
         """Add `param`'s gradient into its bucket's fp32 sums on this rank, flag it, and free it."""
-        bucket = self._bucket_of[param]
-        if bucket.sums is None:
-            bucket.sums = bucket.buffer(local_tensor(param).device).zero_()
-        bucket.sums.narrow(0, *bucket.piece[param]).add_(_local_grad(param).reshape(-1))
-        bucket.sums[bucket.flag[param]] = 1.0
+        self._flagged_sum(param).add_(_local_grad(param).reshape(-1))
         param.grad = None
+
+    def _flagged_sum(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s piece of its bucket's local sums, its flag set (this rank has a gradient for it)."""
+        bucket = self._bucket_of[param]
+        sums = bucket.sums_on(local_tensor(param).device)
+        sums[bucket.flag[param]] = 1.0
+        return sums.narrow(0, *bucket.piece[param])
 
     def local_sum(self, param: nn.Parameter) -> Optional[torch.Tensor]:
         """A tied weight's fp32 sum on this rank, which stands for its gradient until the round ends (flagged as
@@ -159,11 +168,7 @@ class GradientBuckets:
         local accumulation."""
         if not self.accumulate_locally or id(param) not in self._deferred or param not in self._bucket_of:
             return None
-        bucket = self._bucket_of[param]
-        if bucket.sums is None:
-            bucket.sums = bucket.buffer(local_tensor(param).device).zero_()
-        bucket.sums[bucket.flag[param]] = 1.0
-        return bucket.sums.narrow(0, *bucket.piece[param])
+        return self._flagged_sum(param)
 
     @property
     def holds_sums(self) -> bool:
