@@ -240,3 +240,51 @@ def test_preloaded_modules_are_in_every_worker_and_preload_after_the_first_pool_
                          check=True).stdout.splitlines()
     assert out[0] == "True True False"   # in the workers, not imported by the parent itself
     assert "must be called before the first run_distributed call" in out[1]
+
+
+_CRASHING_TESTS = """
+import os
+import signal
+
+import torch.distributed as dist
+
+from shardwise.testing import run_distributed
+
+
+def crash(marker, raise_instead):
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        if raise_instead:
+            raise ValueError("a Python error")
+        if marker != "always":
+            open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+
+
+def test_crashes_once():
+    run_distributed(crash, 2, os.environ["CRASHED_ONCE"], False, timeout=60)  # outlives the rerun's tmp_path
+
+
+def test_crashes_every_time():
+    run_distributed(crash, 2, "always", False, timeout=60)
+
+
+def test_raises(tmp_path):
+    run_distributed(crash, 2, str(tmp_path / "raised"), True, timeout=60)
+"""
+
+
+def test_a_worker_crashed_by_a_signal_reruns_its_test_once_and_nothing_else_does(tmp_path):
+    """The suite's configuration (pyproject.toml) reruns a test once when a rank's worker died by a native
+    crash's signal; a crash that repeats, or a Python error, fails the test."""
+    (tmp_path / "test_crashing.py").write_text(_CRASHING_TESTS)
+    project = os.path.join(os.path.dirname(__file__), os.pardir, "pyproject.toml")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-c", project,
+                          "--rootdir", str(tmp_path), str(tmp_path / "test_crashing.py")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "CRASHED_ONCE": str(tmp_path / "crashed")})
+    outcomes = {line.split("::")[-1].split()[0]: line.split()[0] for line in run.stdout.splitlines()
+                if "::test_" in line and line.split()[0] in ("PASSED", "FAILED", "RERUN")}
+    assert outcomes == {"test_crashes_once": "PASSED", "test_crashes_every_time": "FAILED",
+                        "test_raises": "FAILED"}, run.stdout[-3000:]
+    assert "2 failed, 1 passed, 2 rerun" in run.stdout, run.stdout[-3000:]
