@@ -16,7 +16,8 @@ from shardwise.config import parse_config
 from shardwise.planner import (Kernels, PlanError, block_activations, cluster_preset, model_state_bytes, plan, predict_memory,
                                rank_activations, resolve_model)
 from shardwise.planner.activations import Numerics, distinct_strategies, edge_activations, logits_bytes
-from shardwise.planner.memory import in_flight_microbatches, pipeline_stages
+from shardwise.planner import memory
+from shardwise.planner.memory import in_flight_microbatches, pipeline_stages, regathered_bytes
 from shardwise.planner.wrapping import (comm_buffer_bytes, gathered_bytes, optimizer_share, reduce_buckets,
                                         root_unit_parameters)
 from shardwise.config.layout import layout_for
@@ -351,3 +352,25 @@ def test_regather_keeps_the_norms_outputs_as_sequence_shards_in_blocks_run_witho
     for strategy in ("each", "each:matmul"):
         assert _acts(spec, **sp, regather=True, checkpointing=strategy).device == pytest.approx(
             _acts(spec, **sp, checkpointing=strategy).device)
+
+
+def test_regathered_inputs_count_twice_whole_in_a_blocks_backward_beyond_the_room_the_head_leaves(monkeypatch):
+    """sequence_parallel_regather gathers a block's inputs again in backward, the one in use beside the next
+    arriving: two whole inputs, none where every block is checkpointed. Without a pipeline the head's freed tensors
+    leave room for them; a pipeline stage's microbatches overlap, so there they add in full."""
+    spec = resolve_model("gpt2-10b")
+    sp = {"tensor_parallel_degree": 8, "sequence_parallel": True, "bf16": True}
+    regather = parse_config({**sp, "sequence_parallel_regather": True})
+    layout = Layout(tp=8)
+    two_inputs = 2 * (2 * 512) * spec.hidden * 2
+    assert regathered_bytes(spec, regather, layout, 2, 512, "none") == two_inputs
+    assert regathered_bytes(spec, regather, layout, 2, 512, "each") == 0
+    assert regathered_bytes(spec, parse_config(sp), layout, 2, 512, "none") == 0
+
+    def activations(layout: Layout) -> float:
+        return predict_memory(spec, regather, layout, 2, 512, "none").activations
+
+    whole, staged = activations(layout), activations(Layout(tp=8, pp=2))
+    monkeypatch.setattr(memory, "regathered_bytes", lambda *args: 0.0)
+    assert 0 <= whole - activations(layout) <= two_inputs
+    assert staged - activations(Layout(tp=8, pp=2)) == pytest.approx(two_inputs)

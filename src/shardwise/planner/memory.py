@@ -29,7 +29,7 @@ from ..parallel.stage_split import stage_ranks
 from ..topology import Layout
 from . import assumptions as A
 from . import context, experts
-from .activations import ActivationMemory, PipelineRank, rank_activations
+from .activations import ActivationMemory, PipelineRank, rank_activations, region_blocks
 from .bubbles import rank_blocks
 from .hardware import DeviceSpec, Kernels
 from .offload import host_states, moves_to_host
@@ -213,17 +213,20 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
     freed = acts.device + routed
     exchange = context_buffer_bytes(spec, config, layout, micro_batch, seq, device)
     in_backward_reduce = in_backward_reduce_bytes(spec, config, layout)
-    room = _backward_room(spec, config, layout, acts.backward_room, exchange, in_backward_reduce)
+    regathered = regathered_bytes(spec, config, layout, micro_batch, seq, checkpointing)
+    room = _backward_room(spec, config, layout, acts.backward_room, exchange, in_backward_reduce, regathered)
     gathered -= room.blocks
     comm = comm_buffer_bytes(spec, config, layout, micro_batch, seq)
     buffers = comm + exchange - room.exchange - room.reduce
-    accounted = sum(states.values()) + gathered + acts.device + routed + buffers
+    beyond_room = regathered - room.regathered
+    accounted = sum(states.values()) + gathered + acts.device + routed + beyond_room + buffers
     # The categories are each one's most; the step peaks at one of two moments, not at their sum (pipelines, whose
     # microbatches overlap, keep the sum): the loss's backward, or later in backward, every gradient there and the
     # head's tensors freed (what the room did not take).
     at_loss = _at_loss_backward(states, config, gathered, acts, routed, comm - in_backward_reduce)
     overlap = 0.0 if at_loss is None else max(at_loss, accounted - room.unused) - accounted
-    return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device + routed, comm_buffers=buffers,
+    return MemoryBreakdown(**states, gathered_params=gathered, activations=acts.device + routed + beyond_room,
+                           comm_buffers=buffers,
                            runtime=device.runtime_reserve_bytes if device else 0.0, overlap=overlap,
                            fragmentation=A.FRAGMENTATION_MARGIN * (accounted + overlap), offloaded=acts.host + host_bytes,
                            retention=host_retention(spec, config, layout, device),
@@ -236,16 +239,18 @@ def _rank_memory(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro
 class _BackwardRoom:
     """How the room the head's freed tensors leave (`ActivationMemory.backward_room`) is taken by what lives only
     while a block runs backward, which never meets those tensors: context parallelism's exchange, FSDP2's reduce
-    buffers, ZeRO-3's gathered blocks. Only what exceeds the room adds to the peak."""
+    buffers, ZeRO-3's gathered blocks, the inputs sequence parallelism gathers again. Only what exceeds the room
+    adds to the peak."""
 
     exchange: float
     reduce: float
     blocks: float
+    regathered: float
     unused: float
 
 
 def _backward_room(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, backward_room: float, exchange: float,
-                   in_backward_reduce: float) -> _BackwardRoom:
+                   in_backward_reduce: float, regathered: float) -> _BackwardRoom:
     exchange_part = min(backward_room, exchange)
     # FSDP2's part, measured: ZeRO-3 on one H200 rank held only the root's copy beyond DDP at its peak; a Mixtral
     # block's backward leaves no room (its ZeRO-3 peak on CPU ranks was above the prediction with it)
@@ -253,7 +258,19 @@ def _backward_room(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, bac
     reduce = min(room, in_backward_reduce)
     blocks = blocks_gathered_in_backward(spec, config, layout)
     block_part = min(room - reduce, blocks * compute_bytes(config) * spec.layer_parameters / layout.tp) if blocks else 0.0
-    return _BackwardRoom(exchange_part, reduce, block_part, room - reduce - block_part)
+    regathered_part = min(room - reduce - block_part, regathered)
+    return _BackwardRoom(exchange_part, reduce, block_part, regathered_part, room - reduce - block_part - regathered_part)
+
+
+def regathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, micro_batch: int, seq: int,
+                     checkpointing: str) -> float:
+    """What `sequence_parallel_regather` holds gathered while a block runs backward: two whole inputs, the one its
+    projections use and the next one arriving (parallel/tensor/regather.py); 0 where every block is checkpointed
+    (the hook stands aside there) or without it."""
+    if not Decisions(config, layout).sequence_parallel_regather or region_blocks(checkpointing, 1):
+        return 0.0
+    tokens = micro_batch * seq / Decisions(config, layout).context_parallel_degree
+    return 2 * tokens * spec.hidden * compute_bytes(config)
 
 
 def _at_loss_backward(states: dict[str, float], config: ShardwiseConfig, gathered: float, acts: ActivationMemory,
