@@ -288,26 +288,23 @@ def test_composes_with_pipeline_parallelism():
     _assert_same_math(ranks, reference("gpt2", "bf16", replicas=2, clip=0.5), LOSS_TOLERANCE, PARAM_TOLERANCE)
 
 
-# GPT-2's embedding is tied to the head on the other stage: its copies' gradients add up in fp32 across the stages,
-# where one process's autograd adds the two uses in bf16 first: one bf16 rounding of that gradient (2^-9 relative)
-# apart, 8.7e-5 of the clip norm measured.
-TIED_TOLERANCE = {"losses": 1e-4, "parameters": PARAM_TOLERANCE, "norms": 2e-4}
+# (losses, parameters, norms). GPT-2's embedding is tied to the head on the other stage: its copies' gradients add
+# up in fp32 across the stages, where one process's autograd adds the two uses in bf16 first: one bf16 rounding of
+# that gradient (2^-9 relative) apart, 8.7e-5 of the clip norm measured.
+PIPELINE_LOCAL_TOLERANCES = {"llama": (LOSS_TOLERANCE, PARAM_TOLERANCE), "gpt2": (1e-4, PARAM_TOLERANCE, 2e-4)}
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_pipeline_microbatches_accumulated_locally_sum_in_fp32(kind):
     """With accumulate_gradients_locally the schedule's two microbatches add up in fp32 on each stage's ranks, as
     the reference sums them: the same math, where accumulating them in bf16 would round each sum to 8 bits (Llama,
-    untied). GPT-2's tied embedding and head sum their copies across the stages in fp32 too (TIED_TOLERANCE)."""
+    untied). GPT-2's tied embedding and head sum their copies across the stages in fp32 too (its tolerances:
+    PIPELINE_LOCAL_TOLERANCES)."""
     config = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True, "gradient_clipping": 0.5,
               "microbatches": 2, "accumulate_gradients_locally": True}
     ranks = run_distributed(train_zero1, WORLD, kind, config, timeout=300)
     want = reference(kind, "bf16", replicas=2, microbatches=2, clip=0.5)
-    if kind == "llama":
-        _assert_same_math(ranks, want, LOSS_TOLERANCE, PARAM_TOLERANCE)
-    else:
-        _assert_same_math(ranks, want, TIED_TOLERANCE["losses"], TIED_TOLERANCE["parameters"],
-                          TIED_TOLERANCE["norms"])
+    _assert_same_math(ranks, want, *PIPELINE_LOCAL_TOLERANCES[kind])
 
 
 # ----- microbatch accumulation -----

@@ -267,9 +267,10 @@ def regathered_bytes(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, m
     """What `sequence_parallel_regather` holds gathered while a block runs backward: two whole inputs, the one its
     projections use and the next one arriving (parallel/tensor/regather.py); 0 where every block is checkpointed
     (the hook stands aside there) or without it."""
-    if not Decisions(config, layout).sequence_parallel_regather or region_blocks(checkpointing, 1):
+    decisions = Decisions(config, layout)
+    if not decisions.sequence_parallel_regather or region_blocks(checkpointing, 1):
         return 0.0
-    tokens = micro_batch * seq / Decisions(config, layout).context_parallel_degree
+    tokens = micro_batch * seq / decisions.context_parallel_degree
     return 2 * tokens * spec.hidden * compute_bytes(config)
 
 
