@@ -7,7 +7,7 @@ import pytest
 from shardwise.config import parse_config
 from shardwise.planner import cluster_preset, predict_step_time, resolve_model
 from shardwise.planner import assumptions as A
-from shardwise.planner.collectives import collective_time, group_shape
+from shardwise.planner.collectives import LinkTime, collective_time, group_shape
 from shardwise.planner.timing import _gradient_copy_seconds
 from shardwise.planner.wrapping import first_broadcast_bucket, reduce_buckets
 from shardwise.config.layout import layout_for
@@ -197,16 +197,19 @@ def test_zero1_half_precision_reduce_overlaps_backward():
     assert "gradient reduce (overlaps last backward)" in {c.name for c in piped.collectives}
 
 
-def _stretched(window: float, comm: float, head: float) -> float:
-    """docs/planner.md's overlap: how much longer a phase of `window` seconds lasts with `comm` overlapping it."""
-    return max(window, comm) + (1 - A.OVERLAP_EFFICIENCY) * min(window, comm) + head - window
+def _stretched(window: float, comm: LinkTime, head: float, beside: LinkTime = LinkTime()) -> float:
+    """docs/planner.md's overlap: how much longer a phase of `window` seconds lasts with `comm` overlapping it,
+    while critical-path collectives of `beside` link time hold one link level and `comm` streams on the other."""
+    reach = max(window, comm.intra - beside.inter, comm.inter - beside.intra)
+    return reach + (1 - A.OVERLAP_EFFICIENCY) * min(window, comm.busiest) + head - window
 
 
 def test_zero1_broadcasts_overlap_the_next_forward_but_its_first_bucket():
     """ZeRO-1's broadcasts after the step run during the next step's first forward, each module waiting for
     its bucket: beyond the overlap's cost, the first bucket (the token embedding, alone in it) is exposed, as
-    ZeRO-2's first gather is. Under FSDP2's `replicate` (fp32 with tensor parallelism), which copies the
-    parameters before forward, the step waits for them: exposed in full."""
+    ZeRO-2's first gather is. The blocks' tensor-parallel all-reduces hold NVLink, not the network, so the
+    replicas' traffic between nodes goes on during them. Under FSDP2's `replicate` (fp32 with tensor
+    parallelism), which copies the parameters before forward, the step waits for them: exposed in full."""
     spec = resolve_model("gpt2-10b")
     config = {"bf16": True, "tensor_parallel_degree": 4, "shard_optimizer_state": True}
     t = _time(config)
@@ -216,18 +219,41 @@ def test_zero1_broadcasts_overlap_the_next_forward_but_its_first_bucket():
     assert (first_bytes, first_tensors) == (2 * spec.vocab * spec.hidden / 4, 1)
     shape = group_shape(layout, 8, ("dp_replicate", "dp_shard"))
     a = spec.parameters / 4
-    broadcast = collective_time("broadcast", 2 * a, shape, P4D, len(spec.stage_tensors(1))).busiest
-    reduce = collective_time("reduce", 4 * a, shape, P4D, reduce_buckets(spec, layout).count).busiest
+    broadcast = collective_time("broadcast", 2 * a, shape, P4D, len(spec.stage_tensors(1)))
+    reduce = collective_time("reduce", 4 * a, shape, P4D, reduce_buckets(spec, layout).count)
     first = collective_time("broadcast", first_bytes, shape, P4D).serial
     forward = t.compute / 3
+    # two all-reduces of a block's activations forward, two backward
+    all_reduces = collective_time("all_reduce", 2 * 48 * 2 * 512 * 4096 * 2, group_shape(layout, 8, ("tp",)), P4D,
+                                  2 * 48)
+    assert all_reduces.inter == 0
     copies = (2 + 4) * a / P4D.device.streaming_bandwidth  # each bf16 gradient copied into its fp32 bucket
-    assert t.data_parallel == pytest.approx(_stretched(2 * forward, reduce, reduce / spec.layers)
-                                            + _stretched(forward, broadcast, first) + copies)
-    assert 0 < first < _stretched(forward, broadcast, first) < broadcast
+    assert t.data_parallel == pytest.approx(
+        _stretched(2 * forward, reduce, reduce.busiest / spec.layers, all_reduces)
+        + _stretched(forward, broadcast, first, all_reduces) + copies)
+    assert 0 < first < _stretched(forward, broadcast, first, all_reduces) < broadcast.busiest
     assert "parameter broadcast (overlaps next forward)" in {c.name for c in t.collectives}
 
     fsdp = _time({"tensor_parallel_degree": 4, "shard_optimizer_state": True})
     assert "parameter broadcast (after the optimizer step)" in {c.name for c in fsdp.collectives}
+
+
+def test_network_traffic_goes_on_while_tensor_parallel_collectives_hold_nvlink():
+    """With tensor parallelism inside nodes and one replica per node, ZeRO-1's reduces and broadcasts cross only
+    the network: the blocks' all-reduces, which the step waits on anyway, hide them as compute does. A slower
+    NVLink lengthens those all-reduces and leaves less of the replicas' traffic exposed; the same traffic inside
+    a node (two nodes' worth of replicas on one) shares NVLink with them and gains nothing."""
+    config = {"bf16": True, "tensor_parallel_degree": 8, "shard_optimizer_state": True}
+    slow_nvlink = replace(P4D, intra_node_bandwidth=P4D.intra_node_bandwidth / 4)
+    fast, slow = _time(config), _time(config, cluster=slow_nvlink)
+    assert slow.tensor_parallel > fast.tensor_parallel
+    assert {c.link for c in fast.collectives if c.axis != "tp"} == {"inter"}
+    assert slow.data_parallel < fast.data_parallel
+    one_node = cluster_preset("p4d.24xlarge")
+    inside = {"bf16": True, "tensor_parallel_degree": 4, "shard_optimizer_state": True}
+    assert {c.link for c in _time(inside, cluster=one_node).collectives} == {"intra"}
+    slower = replace(one_node, intra_node_bandwidth=one_node.intra_node_bandwidth / 4)
+    assert _time(inside, cluster=slower).data_parallel > _time(inside, cluster=one_node).data_parallel
 
 
 @pytest.mark.parametrize("config, per_parameter", [

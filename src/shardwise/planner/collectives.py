@@ -71,6 +71,9 @@ class LinkTime:
     def __add__(self, other: "LinkTime") -> "LinkTime":
         return LinkTime(self.intra + other.intra, self.inter + other.inter)
 
+    def __sub__(self, other: "LinkTime") -> "LinkTime":
+        return LinkTime(self.intra - other.intra, self.inter - other.inter)
+
     @property
     def busiest(self) -> float:
         """Duration when many such transfers stream back to back: the two link levels work in parallel."""

@@ -81,13 +81,19 @@ class StepTime:
 _PARTS = [f.name for f in fields(StepTime)].index("tokens_per_s")  # the fields that add up to the step
 
 
-def _phase(window: float, comm: LinkTime, units: int, head: float | None = None) -> float:
+def _phase(window: float, comm: LinkTime, units: int, head: float | None = None,
+           beside: LinkTime = LinkTime()) -> float:
     """Duration of a compute phase of `window` seconds that overlaps `comm`, issued in `units` pieces, the first
-    (or last) of which nothing hides: `head` seconds when known, else a `units`-th of the traffic."""
+    (or last) of which nothing hides: `head` seconds when known, else a `units`-th of the traffic.
+
+    `beside`: the link time of the critical-path collectives the phase also waits on (tensor parallelism's), not
+    counted in `window`. While one link level carries them, `comm` keeps streaming on the other: NVLink's
+    tensor-parallel collectives leave the network to the data-parallel traffic, and the reverse."""
     c = comm.busiest
     if c == 0:
         return window
-    return max(window, c) + (1 - A.OVERLAP_EFFICIENCY) * min(window, c) + (c / units if head is None else head)
+    reach = max(window, comm.intra - beside.inter, comm.inter - beside.intra)
+    return reach + (1 - A.OVERLAP_EFFICIENCY) * min(window, c) + (c / units if head is None else head)
 
 
 class _Traffic:
@@ -255,9 +261,20 @@ def _parameter_broadcasts(traffic: _Traffic, config: ShardwiseConfig, layout: La
     traffic.first_bucket = traffic.time("broadcast", first_bytes, _DP_AXES, first_tensors).serial
 
 
+@dataclass(frozen=True)
+class _CriticalPath:
+    """Tensor parallelism's collectives per microbatch: the seconds they add, with their host time, and the link
+    time of those in the forward and in the backward phase (a recomputed forward's are backward's)."""
+
+    seconds: float = 0.0
+    forward: LinkTime = LinkTime()
+    backward: LinkTime = LinkTime()
+
+
 def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: ShardwiseConfig, layers: int,
-                             activation: float, recompute: bool, backward: float) -> float:
-    """Seconds per microbatch the tensor-parallel collectives add, each with its host time (critical_op_seconds).
+                             activation: float, recompute: bool, backward: float) -> _CriticalPath:
+    """Seconds per microbatch the tensor-parallel collectives add, each with its host time (critical_op_seconds),
+    and their link time by phase.
 
     Megatron: per block two all-reduces of the activations forward and two backward (two more on
     recompute), on the critical path. Sequence parallelism (parallel/tensor/sequence.py) splits each into a
@@ -269,23 +286,27 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     `backward` compute, the first exposed (`_phase`).
     """
     if traffic.layout.tp == 1:
-        return 0.0
+        return _CriticalPath()
     calls, op = layers * (4 + (2 if recompute else 0)), traffic.cluster.critical_op_seconds
+    forward_calls = 2 * layers
     if not config.sequence_parallel:
         reduced = traffic.add("critical", "all_reduce", calls * activation, ("tp",), "activation", calls)
-        return reduced.serial + calls * op
+        forward = traffic.time("all_reduce", forward_calls * activation, ("tp",), forward_calls)
+        return _CriticalPath(reduced.serial + calls * op, forward, reduced - forward)
     gathers, norms = calls + 2, layers * spec.block_norm_tensors
     scattered = traffic.add("critical", "reduce_scatter", calls * activation, ("tp",), "activation", calls)
     gathered = traffic.add("critical", "all_gather", gathers * activation, ("tp",), "activation", gathers)
     summed = traffic.add("critical", "all_reduce", norms * spec.hidden * compute_bytes(config), ("tp",),
                          "norm gradient", norms)
     exposed = (scattered + gathered + summed).serial + (calls + gathers + norms) * op
+    forward = (traffic.time("reduce_scatter", forward_calls * activation, ("tp",), forward_calls)
+               + traffic.time("all_gather", (forward_calls + 1) * activation, ("tp",), forward_calls + 1))
     if Decisions(config, traffic.layout).sequence_parallel_regather and not recompute:
         regathers = 2 * layers
         again = traffic.add("tensor_backward", "all_gather", regathers * activation, ("tp",), "activation gathered "
                             "again", regathers)
         exposed += _phase(backward, again, regathers) - backward + regathers * op
-    return exposed
+    return _CriticalPath(exposed, forward, scattered + gathered + summed - forward)
 
 
 def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, config: ShardwiseConfig, activation: float) -> float:
@@ -472,20 +493,22 @@ def predict_step_time(spec: ModelSpec, config: ShardwiseConfig, layout: Layout, 
     activation = micro_batch * seq / layout.cp * spec.boundary_elements(pp) * compute_bytes(config)
     sent = activation / tp if config.sequence_parallel else activation   # stages hand each other sequence shards
     traffic = _Traffic(cluster, layout, m, layers)
-    tp_time = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0, blocks.backward)
+    tp = _tensor_parallel_traffic(traffic, spec, config, layers, activation, recompute > 0, blocks.backward)
     cp_time = _context_parallel_seconds(traffic, spec, config, layout, cluster, micro_batch, seq, layers, blocks,
                                         recompute > 0 and not keeps_matmuls(checkpointing))
     _data_parallel_traffic(traffic, config, layout, spec)
 
-    critical = tp_time + cp_time
+    critical = tp.seconds + cp_time
     busy = forward + backward + recompute + critical
-    fwd_phase = _phase(forward, traffic.forward, layers)
-    t_mb = fwd_phase + _phase(backward + recompute, traffic.backward, layers) + critical
-    t_last = fwd_phase + _phase(backward + recompute, traffic.backward + traffic.sync, layers) + critical
+    fwd_phase = _phase(forward, traffic.forward, layers, beside=tp.forward)
+    bwd_phase = _phase(backward + recompute, traffic.backward, layers, beside=tp.backward)
+    t_mb = fwd_phase + bwd_phase + critical
+    t_last = fwd_phase + _phase(backward + recompute, traffic.backward + traffic.sync, layers,
+                                beside=tp.backward) + critical
     # ZeRO-1's broadcasts stretch the first forward (nothing else overlaps it then: ZeRO-1 gathers nothing)
-    t_first = _phase(forward, traffic.next_forward, layers, traffic.first_bucket) - forward
+    t_first = _phase(forward, traffic.next_forward, layers, traffic.first_bucket, beside=tp.forward) - forward
     weight_grad = (blocks.matmul_backward + edge.matmul_backward) / 2
-    time = StepTime(compute=(forward + backward) * m, recompute=recompute * m, tensor_parallel=tp_time * m,
+    time = StepTime(compute=(forward + backward) * m, recompute=recompute * m, tensor_parallel=tp.seconds * m,
                     context_parallel=cp_time * m,
                     data_parallel=m * (t_mb - busy) + (t_last - t_mb) + t_first + traffic.after_step.serial
                     + experts.step_seconds(spec, config, layout, cluster, micro_batch, seq, compute_bytes(config))
