@@ -7,6 +7,8 @@ the optimizer states (2a + 2a + 12a/n, `planner/wrapping.py`, measured), so SMP'
 40 GB A100s; the same degrees also fit with ZeRO-2.
 """
 
+import functools
+
 import pytest
 
 from shardwise.config import ConfigError, config_problems, ineffective_settings, parse_config
@@ -36,9 +38,12 @@ def _reference(name):
     return resolve_model(name), cluster, config, ref["batch"] * dp
 
 
-def _plan(name):
+def _fresh_plan(name):
     spec, cluster, _, global_batch = _reference(name)
     return plan(spec, cluster, global_batch=global_batch, precision="fp16")
+
+
+_plan = functools.cache(_fresh_plan)   # a plan is frozen: the tests that only read it share one per seed
 
 
 @pytest.mark.parametrize("name", list(REFERENCE))
@@ -127,7 +132,7 @@ def test_any_feature_a_release_lacks_leaves_the_plan(monkeypatch):
     assert any(e.config.get("sequence_parallel") for e in _plan("gpt2-10b").fitting)
     monkeypatch.setattr(validation, "unavailable_features",
                         lambda config: [("sequence_parallel", True)] if config.sequence_parallel else [])
-    result = _plan("gpt2-10b")
+    result = _fresh_plan("gpt2-10b")
     assert not any(e.config.get("sequence_parallel") for e in result.fitting)
     assert any("sequence_parallel=True: this feature is not available yet" in (e.reason or "")
                for e in result.considered)
