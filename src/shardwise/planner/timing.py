@@ -298,7 +298,8 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
     gathered = traffic.add("critical", "all_gather", gathers * activation, ("tp",), "activation", gathers)
     summed = traffic.add("critical", "all_reduce", norms * spec.hidden * compute_bytes(config), ("tp",),
                          "norm gradient", norms)
-    exposed = (scattered + gathered + summed).serial + (calls + gathers + norms) * op
+    both = scattered + gathered + summed
+    exposed = both.serial + (calls + gathers + norms) * op
     forward = (traffic.time("reduce_scatter", forward_calls * activation, ("tp",), forward_calls)
                + traffic.time("all_gather", (forward_calls + 1) * activation, ("tp",), forward_calls + 1))
     if Decisions(config, traffic.layout).sequence_parallel_regather and not recompute:
@@ -306,7 +307,7 @@ def _tensor_parallel_traffic(traffic: _Traffic, spec: ModelSpec, config: Shardwi
         again = traffic.add("tensor_backward", "all_gather", regathers * activation, ("tp",), "activation gathered "
                             "again", regathers)
         exposed += _phase(backward, again, regathers) - backward + regathers * op
-    return _CriticalPath(exposed, forward, scattered + gathered + summed - forward)
+    return _CriticalPath(exposed, forward, both - forward)
 
 
 def _pipeline_p2p(traffic: _Traffic, cluster: ClusterSpec, config: ShardwiseConfig, activation: float) -> float:
